@@ -1,0 +1,1 @@
+"""Typed events, their msgpack codec, and the Redis Streams transport."""

@@ -1,0 +1,159 @@
+"""msgpack codec for events. Decoding treats input as hostile: every field is type- and size-checked.
+
+Wire form: a msgpack map {"v": version, "t": type, "p": producer, "e": epoch, "s": seq, "b": body}
+where body maps field names to values. Validation is derived from the dataclass annotations, so a
+new event type needs no codec change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from functools import cache
+
+import msgpack
+
+from kvtier.bus.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier
+from kvtier.errors import MalformedEvent
+from kvtier.keys import KEY_BYTES, BlockKey
+
+MAX_ENTRY_BYTES = 4 << 20
+MAX_ITEMS = 65_536
+MAX_STR = 256
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+I64_MAX = (1 << 63) - 1
+
+
+def encode(env: Envelope) -> bytes:
+    body = {f.name: _to_wire(getattr(env.event, f.name)) for f in dataclasses.fields(env.event)}
+    return msgpack.packb(
+        {"v": SCHEMA_VERSION, "t": env.event.TYPE, "p": env.producer, "e": env.epoch, "s": env.seq, "b": body},
+        use_bin_type=True,
+    )
+
+
+def _to_wire(value: object) -> object:
+    if isinstance(value, Tier):
+        return int(value)
+    if isinstance(value, StagedBlock):
+        return [value.key, value.parent, value.slot, value.gen]
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def decode(data: object) -> Envelope:
+    """bytes -> Envelope, or MalformedEvent with a reason fit for the dead-letter stream."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedEvent(f"payload must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_ENTRY_BYTES:
+        raise MalformedEvent(f"entry of {len(data)} bytes exceeds {MAX_ENTRY_BYTES}")
+    try:
+        obj = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_ENTRY_BYTES,
+            max_str_len=MAX_STR * 4,
+            max_array_len=MAX_ITEMS,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises a zoo of types on bad input
+        raise MalformedEvent(f"not valid msgpack: {type(e).__name__}: {e}") from e
+    if not isinstance(obj, dict):
+        raise MalformedEvent("top level must be a map")
+    if set(obj) != {"v", "t", "p", "e", "s", "b"}:
+        raise MalformedEvent(f"envelope fields must be v,t,p,e,s,b; got {sorted(map(str, obj))}")
+    if obj["v"] != SCHEMA_VERSION:
+        raise MalformedEvent(f"unsupported schema version {obj['v']!r}")
+    cls = EVENT_TYPES.get(obj["t"]) if isinstance(obj["t"], str) else None
+    if cls is None:
+        raise MalformedEvent(f"unknown event type {obj['t']!r}")
+    producer = _name("producer", obj["p"])
+    epoch = _uint("epoch", obj["e"])
+    seq = _uint("seq", obj["s"])
+    body = obj["b"]
+    if not isinstance(body, dict):
+        raise MalformedEvent("body must be a map")
+    fields = _schema(cls)
+    if set(body) != set(fields):
+        missing = sorted(set(fields) - set(body))
+        extra = sorted(map(str, set(body) - set(fields)))
+        raise MalformedEvent(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
+    kwargs = {name: _check(f"{cls.TYPE}.{name}", hint, body[name]) for name, hint in fields.items()}
+    event: Event = cls(**kwargs)
+    return Envelope(event=event, producer=producer, epoch=epoch, seq=seq)
+
+
+@cache
+def _schema(cls: type) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _check(where: str, hint: object, value: object) -> object:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is BlockKey or hint is bytes:
+        return _key(where, value)
+    if hint is str:
+        if where.endswith(".pool") or where.endswith(".segment"):
+            return _name(where, value)
+        if not isinstance(value, str) or len(value) > MAX_STR:
+            raise MalformedEvent(f"{where}: expected a string of at most {MAX_STR} chars")
+        return value
+    if hint is int:
+        return _int(where, value)
+    if hint is Tier:
+        if type(value) is not int or value not in Tier._value2member_map_:
+            raise MalformedEvent(f"{where}: unknown tier {value!r}")
+        return Tier(value)
+    if hint is StagedBlock:
+        if not isinstance(value, list) or len(value) != 4:
+            raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen]")
+        k, p, slot, gen = value
+        return StagedBlock(
+            key=_key(where + ".key", k),
+            parent=None if p is None else _key(where + ".parent", p),
+            slot=_uint(where + ".slot", slot),
+            gen=_uint(where + ".gen", gen),
+        )
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return None if value is None else _check(where, inner, value)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list):
+            raise MalformedEvent(f"{where}: expected a list")
+        if len(value) > MAX_ITEMS:
+            raise MalformedEvent(f"{where}: more than {MAX_ITEMS} items")
+        return tuple(_check(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
+    raise MalformedEvent(f"{where}: no validator for {hint!r}")  # a programming error, kept loud
+
+
+def _key(where: str, value: object) -> BlockKey:
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        raise MalformedEvent(f"{where}: expected a {KEY_BYTES}-byte key, got {got}")
+    return BlockKey(value)
+
+
+def _name(where: str, value: object) -> str:
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise MalformedEvent(f"{where}: expected a name matching {NAME_RE.pattern}, got {str(value)[:80]!r}")
+    return value
+
+
+def _int(where: str, value: object) -> int:
+    if type(value) is not int or not (-I64_MAX - 1 <= value <= I64_MAX):
+        raise MalformedEvent(f"{where}: expected a 64-bit integer, got {type(value).__name__}")
+    return value
+
+
+def _uint(where: str, value: object) -> int:
+    v = _int(where, value)
+    if v < 0:
+        raise MalformedEvent(f"{where}: must be >= 0")
+    return v

@@ -1,0 +1,171 @@
+"""Typed events on the bus. Events carry keys and locations only, never block bytes.
+
+Three families (DESIGN.md, "Bus"):
+- client events (inference worker -> daemon): Access, Put, Prefetch;
+- tier commands (-> one tier worker's stream): Store, Promote, Demote, Evict;
+- tier facts (tier worker -> facts stream): Stored, Removed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvtier.keys import BlockKey
+
+SCHEMA_VERSION = 1
+
+
+class Tier(enum.IntEnum):
+    """Ordered from fastest to slowest; a lower value is an upper tier."""
+
+    GPU = 0
+    CPU = 1
+    REDIS = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBlock:
+    """One block a client wrote into its staging segment."""
+
+    key: BlockKey
+    parent: BlockKey | None
+    slot: int
+    gen: int
+
+
+# --- client events -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """A batch of blocks a client read; feeds the LRU and the promotion counters."""
+
+    TYPE: ClassVar[str] = "access"
+    pool: str
+    keys: tuple[BlockKey, ...]  # blocks read successfully
+    missed: int  # blocks asked for past the hit prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """New blocks are waiting in the client's staging segment `segment`."""
+
+    TYPE: ClassVar[str] = "put"
+    pool: str
+    segment: str
+    blocks: tuple[StagedBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Bring this chain up to the cpu tier (from Redis) ahead of use."""
+
+    TYPE: ClassVar[str] = "prefetch"
+    pool: str
+    keys: tuple[BlockKey, ...]  # one chain: keys[i] is the parent of keys[i + 1]
+    head_parent: BlockKey | None  # the parent of keys[0]; None when keys[0] starts the chain
+
+
+# --- tier commands -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """Admit a block from a client's staging segment into `tier`."""
+
+    TYPE: ClassVar[str] = "store"
+    pool: str
+    tier: Tier
+    key: BlockKey
+    parent: BlockKey | None
+    segment: str
+    slot: int
+    gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Promote:
+    """Copy `key` up from `src` (slot/gen locate it there; Redis ignores them) into `dst`."""
+
+    TYPE: ClassVar[str] = "promote"
+    pool: str
+    key: BlockKey
+    parent: BlockKey | None
+    src: Tier
+    dst: Tier
+    src_slot: int
+    src_gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Demote:
+    """Copy `key` down from `src` into `dst`; the source drops it only once `dst` has stored it."""
+
+    TYPE: ClassVar[str] = "demote"
+    pool: str
+    key: BlockKey
+    parent: BlockKey | None
+    src: Tier
+    dst: Tier
+    src_slot: int
+    src_gen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Drop `key` from `tier`. The worker refuses unless a lower tier holds it or `reason` allows a drop."""
+
+    TYPE: ClassVar[str] = "evict"
+    pool: str
+    key: BlockKey
+    tier: Tier
+    reason: str
+
+
+# --- tier facts ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """`key` is now visible in `tier` at `slot` (slot -1 for Redis). `cause` is the command type."""
+
+    TYPE: ClassVar[str] = "stored"
+    pool: str
+    key: BlockKey
+    parent: BlockKey | None
+    tier: Tier
+    slot: int
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """`key` left `tier` (or never made it: cause names why)."""
+
+    TYPE: ClassVar[str] = "removed"
+    pool: str
+    key: BlockKey
+    tier: Tier
+    cause: str
+
+
+Event = Access | Put | Prefetch | Store | Promote | Demote | Evict | Stored | Removed
+EVENT_TYPES: dict[str, type] = {
+    cls.TYPE: cls for cls in (Access, Put, Prefetch, Store, Promote, Demote, Evict, Stored, Removed)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """What goes on the wire: the event plus who sent it, in which life (epoch), in which order."""
+
+    event: Event
+    producer: str
+    epoch: int
+    seq: int

@@ -1,0 +1,132 @@
+"""`kvtier daemon | config check | status | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvtier.config import ConfigError, default_runtime_dir, format_config, load_config
+
+
+def _load(path: str | None):
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"kvtier: invalid configuration ({len(e.problems)} problem(s)):", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    import structlog
+    import uvloop
+
+    from kvtier.daemon.app import Daemon
+    from kvtier.daemon.lifecycle import stop_on_signals
+    from kvtier.logs import configure_logging
+
+    cfg = _load(args.config)
+    configure_logging(cfg.log.level, cfg.log.format)
+    log = structlog.get_logger("kvtier")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        with stop_on_signals(stop, log):
+            await Daemon(cfg, os.environ, log).run(stop)
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    except asyncio.CancelledError:
+        log.warning("daemon.forced_exit")
+        return 1
+    except BaseException as e:  # report a fatal error as one log line, then a non-zero exit
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        log.error("daemon.fatal", error=f"{type(e).__name__}: {e}", exc_info=True)
+        return 1
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    cfg = _load(args.file)
+    print(format_config(cfg))
+    print(f"# OK: {args.file or '(defaults)'} is valid", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvtier.daemon.descriptor import STATS, read_json
+    from kvtier.status import render_status
+
+    rdir = Path(args.runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
+    try:
+        stats = read_json(rdir / STATS)
+    except (OSError, ValueError) as e:
+        print(f"kvtier: no daemon stats at {rdir / STATS}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=1) if args.json else render_status(stats))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvtier.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_demo_worker(args: argparse.Namespace) -> int:
+    from kvtier.demo import worker_main
+
+    return worker_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("daemon", help="run the per-node daemon")
+    d.add_argument("--config", "-c", help="TOML config file (default: built-in defaults + KVTIER__* env)")
+    d.set_defaults(fn=cmd_daemon)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="config_cmd", required=True)
+    cc = csub.add_parser("check", help="print the resolved config, or every error in it")
+    cc.add_argument("file", nargs="?", help="TOML config file")
+    cc.set_defaults(fn=cmd_config_check)
+
+    s = sub.add_parser("status", help="show tiers and counters of the running daemon")
+    s.add_argument("--runtime-dir", help="the daemon's runtime directory")
+    s.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    s.set_defaults(fn=cmd_status)
+
+    m = sub.add_parser("demo", help="start a daemon on the embedded Redis and drive a shared-prefix workload")
+    m.add_argument("--config", "-c", help="daemon config (default: the built-in demo pool)")
+    m.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
+    m.add_argument("--duration", type=float, default=30.0, help="seconds to run (default 30; Ctrl-C stops early)")
+    m.add_argument("--prefixes", type=int, default=24, help="distinct shared system prompts (default 24)")
+    m.add_argument("--seed", type=int, default=1)
+    m.set_defaults(fn=cmd_demo)
+
+    w = sub.add_parser("_demo-worker", help=argparse.SUPPRESS)
+    w.add_argument("--runtime-dir", required=True)
+    w.add_argument("--pool", required=True)
+    w.add_argument("--prefixes", type=int, required=True)
+    w.add_argument("--seed", type=int, required=True)
+    w.add_argument("--report", required=True)
+    w.set_defaults(fn=cmd_demo_worker)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""The async client: find the local daemon, hash prefixes, look up, read, put and prefetch blocks.
+
+Reads never leave the node: lookup and get go straight to shared memory. Events to the daemon
+(puts, prefetches, batched read reports) go over the node's client stream and carry no block bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.exceptions
+import structlog
+import torch
+
+from kvtier.bus.connect import make_redis
+from kvtier.bus.events import Access, Prefetch, Put, Tier
+from kvtier.bus.transport import BusStats, Publisher
+from kvtier.client.pools import ClientPool
+from kvtier.config import default_runtime_dir
+from kvtier.daemon.descriptor import DESCRIPTOR, read_json
+from kvtier.errors import BadRequest, DaemonUnavailable, UnknownPool
+from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.tiers.redis_blocks import redis_block_key
+
+ACCESS_FLUSH_S = 0.02
+STREAM_MAXLEN = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """`length` leading blocks are resident on this node, `tiers[i]` says where block i is.
+    `redis_length` more blocks after those are in Redis (only `locate` asks Redis)."""
+
+    length: int
+    tiers: tuple[Tier, ...]
+    redis_length: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    staged: int  # handed to the daemon; visible once it has verified and stored them
+    dropped: int  # not handed over: staging full or the daemon unreachable
+
+
+@dataclass(slots=True)
+class ClientStats:
+    reads: int = 0
+    read_misses: int = 0
+    put_dropped: int = 0
+    event_errors: int = 0
+
+
+class Client:
+    def __init__(self, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log) -> None:
+        self.desc = desc
+        self.node: str = desc["node"]
+        self.log = log.bind(node=self.node)
+        self._redis = redis_client
+        self._client_stream: str = desc["streams"]["client"]
+        self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
+                                    time.time_ns(), STREAM_MAXLEN, BusStats())
+        self.pools = {
+            name: ClientPool(name, p, self.node, daemon_uid, desc.get("shm_gid"), staging_blocks)
+            for name, p in desc["pools"].items()
+        }
+        self.stats = ClientStats()
+        self._access: dict[str, tuple[list[bytes], list[int]]] = {}
+        self._flusher: asyncio.Task | None = None
+
+    # --- connect / close -----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 16,
+                      socket_timeout: float = 2.0) -> "Client":
+        """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
+        or the default runtime directory) and map its pools."""
+        rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
+        path = rdir / DESCRIPTOR
+        try:
+            desc = read_json(path)
+            daemon_uid = path.stat().st_uid
+        except (OSError, ValueError) as e:
+            raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
+        if not _alive(desc.get("pid")):
+            raise DaemonUnavailable(f"the daemon named in {path} (pid {desc.get('pid')}) is not running")
+        r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
+                       retries=1)
+        return cls(desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+
+    async def close(self) -> None:
+        await self._flush_access()
+        if self._flusher is not None:
+            self._flusher.cancel()
+        for p in self.pools.values():
+            p.close()
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def pool(self, name: str) -> ClientPool:
+        p = self.pools.get(name)
+        if p is None:
+            raise UnknownPool(f"unknown pool {name!r}; this daemon serves {sorted(self.pools)}")
+        return p
+
+    # --- keys and lookup ---------------------------------------------------------------------
+
+    def block_keys(self, pool: str, token_ids: Sequence[int], *, salt: bytes | None = None,
+                   lora_id: str | None = None) -> list[BlockKey]:
+        p = self.pool(pool)
+        return chain_keys(root_key(p.fingerprint, salt, lora_id), token_ids, p.layout.block_tokens)
+
+    def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        """Longest prefix of `keys` resident on this node (gpu or cpu). No I/O: works with Redis down."""
+        p = self.pool(pool)
+        tiers: list[Tier] = []
+        for key in keys:
+            hit = p.locate(check_key(key))
+            if hit is None:
+                break
+            tiers.append(hit[0])
+        return Lookup(len(tiers), tuple(tiers))
+
+    async def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
+        If Redis cannot be reached the answer is the local one."""
+        local = self.lookup(pool, keys)
+        rest = [bytes(k) for k in keys[local.length:]]
+        if not rest:
+            return local
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for k in rest:
+                pipe.exists(redis_block_key(pool, k))
+            found = await pipe.execute()
+        except redis.exceptions.RedisError as e:
+            self.stats.event_errors += 1
+            self.log.warning("client.locate_redis_failed", pool=pool, error=str(e))
+            return local
+        n = next((i for i, f in enumerate(found) if not f), len(found))
+        return Lookup(local.length, local.tiers, n)
+
+    # --- get -----------------------------------------------------------------------------------
+
+    async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
+        """Copy the leading blocks of `keys` into out[0..n) (CPU or CUDA tensor [>=len(keys), *block_shape]).
+        Returns n, the number of leading blocks read and verified; out[n:] is untouched."""
+        p = self.pool(pool)
+        keys = [check_key(k) for k in keys]
+        p.check_tensor(out, len(keys), "out")
+        n = 0
+        for i, key in enumerate(keys):
+            if not p.read(key, out[i]):
+                break
+            n += 1
+        self.stats.reads += n
+        self.stats.read_misses += len(keys) - n
+        self._note_access(pool, keys[:n], len(keys) - n)
+        return n
+
+    # --- put / prefetch ------------------------------------------------------------------------
+
+    async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None) -> PutResult:
+        """Hand new blocks to the daemon. `keys` is a chain: keys[0]'s parent is `parent` (None
+        for the chain's first block). Never blocks on a busy daemon: what cannot be staged at
+        once is dropped and counted."""
+        p = self.pool(pool)
+        keys = [check_key(k) for k in keys]
+        parent = None if parent is None else check_key(parent)
+        p.check_tensor(kv, len(keys), "kv")
+        if not keys:
+            return PutResult(0, 0)
+        staged = p.stage(keys, parent, kv[: len(keys)])
+        dropped = len(keys) - len(staged)
+        if staged:
+            try:
+                await self._publisher.publish(self._client_stream, Put(pool, p.staging.seg.name, tuple(staged)))
+            except redis.exceptions.RedisError as e:
+                p.unstage(staged)
+                dropped = len(keys)
+                staged = []
+                self.stats.event_errors += 1
+                self.log.warning("client.put_failed", pool=pool, error=str(e))
+        if dropped:
+            self.stats.put_dropped += dropped
+            self.log.info("client.put_dropped", pool=pool, dropped=dropped, reason="staging full or daemon unreachable")
+        return PutResult(len(staged), dropped)
+
+    async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
+        """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis."""
+        self.pool(pool)
+        keys = tuple(check_key(k) for k in keys)
+        if keys:
+            await self._publisher.publish(self._client_stream, Prefetch(pool, keys, None if parent is None else check_key(parent)))
+
+    async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
+        """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""
+        deadline = time.monotonic() + timeout
+        while self.lookup(pool, keys).length < len(keys):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    # --- access reports --------------------------------------------------------------------------
+
+    def _note_access(self, pool: str, keys: list[bytes], missed: int) -> None:
+        got, miss = self._access.setdefault(pool, ([], [0]))
+        got.extend(keys)
+        miss[0] += missed
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
+        await self._flush_access()
+
+    async def _flush_access(self) -> None:
+        batches, self._access = self._access, {}
+        items = [(self._client_stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
+                 if keys or miss[0]]
+        if not items:
+            return
+        try:
+            await self._publisher.publish_many(items)
+        except redis.exceptions.RedisError as e:
+            # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
+            self.stats.event_errors += 1
+            self.log.warning("client.access_report_failed", error=str(e))
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,176 @@
+"""The client's view of one pool: the daemon's segments mapped read-only, plus its own staging."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import torch
+
+from kvtier.bus.events import StagedBlock, Tier
+from kvtier.errors import BadRequest, SegmentError
+from kvtier.layout import BlockLayout
+from kvtier.tiers.directory import IN_REDIS, NO_SLOT, DirectoryReader
+from kvtier.tiers.segment import ShmSegment
+from kvtier.tiers.slots import Flags, Kind, SlotTable, segment_bytes
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+
+class ClientPool:
+    def __init__(self, name: str, desc: dict, node: str, daemon_uid: int, shm_gid: int | None,
+                 staging_blocks: int) -> None:
+        self.name = name
+        self.layout = BlockLayout.from_dict(desc["layout"])
+        self.fingerprint = self.layout.fingerprint
+        if self.fingerprint.hex() != desc["fingerprint"]:
+            raise SegmentError(f"pool {name}: descriptor fingerprint does not match its layout")
+        self.block_bytes = self.layout.block_bytes
+        self.shape = self.layout.shape
+        self.dtype = TORCH_DTYPES[self.layout.dtype]
+        self._node = node
+        self._uid = daemon_uid
+        self._gid = shm_gid
+        self._staging_blocks = staging_blocks
+        fp, bb = self.fingerprint, self.block_bytes
+        self.directory = DirectoryReader(ShmSegment.attach(desc["directory"]["segment"], trusted_uid=daemon_uid), fp)
+        self.tables: dict[Tier, SlotTable] = {}
+        self.gpu_device_payload = None
+        if desc.get("gpu"):
+            g = desc["gpu"]
+            seg = ShmSegment.attach(g["segment"], trusted_uid=daemon_uid)
+            if g.get("device") == "cuda":
+                from kvtier.tiers.gpu import import_ipc
+
+                self.tables[Tier.GPU] = SlotTable.open(seg, Kind.GPU_HEADERS, fp, bb)
+                self.gpu_device_payload = import_ipc(g["ipc"])
+            else:
+                self.tables[Tier.GPU] = SlotTable.open(seg, Kind.ARENA, fp, bb)
+        self.tables[Tier.CPU] = SlotTable.open(ShmSegment.attach(desc["cpu"]["segment"], trusted_uid=daemon_uid),
+                                               Kind.ARENA, fp, bb)
+        self.staging: SlotTable | None = None
+        self._cursor = 0
+        self._host = np.empty(bb, dtype=np.uint8)  # bounce buffer for CUDA destinations
+
+    # --- lookup and read ---------------------------------------------------------------------
+
+    def locate(self, key: bytes) -> tuple[Tier, int] | None:
+        """The best local (tier, slot) whose header currently holds `key`."""
+        row = self.directory.find(key)
+        if row is None:
+            return None
+        gpu, cpu, _flags = row
+        for tier, slot in ((Tier.GPU, gpu), (Tier.CPU, cpu)):
+            table = self.tables.get(tier)
+            if slot != NO_SLOT and table is not None and 0 <= slot < table.n:
+                if table.begin_read(slot, key) is not None:
+                    return tier, slot
+        return None
+
+    def in_redis_hint(self, key: bytes) -> bool:
+        row = self.directory.find(key)
+        return row is not None and bool(row[2] & IN_REDIS)
+
+    def read(self, key: bytes, dst: torch.Tensor) -> bool:
+        """Copy `key` into dst (one block, any device). Verified; False means a miss."""
+        on_host = dst.device.type == "cpu"
+        host = dst.view(torch.uint8).reshape(-1).numpy() if on_host else self._host
+        row = self.directory.find(key)
+        if row is None:
+            return False
+        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
+            table = self.tables.get(tier)
+            if slot == NO_SLOT or table is None or not 0 <= slot < table.n:
+                continue
+            if tier == Tier.GPU and self.gpu_device_payload is not None:
+                if self._read_device(table, slot, key, dst):
+                    return True
+                continue
+            if table.read_into(slot, key, host) is not None:
+                if not on_host:
+                    dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(host))
+                return True
+        return False
+
+    def _read_device(self, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
+        snap = table.begin_read(slot, key)
+        if snap is None:
+            return False
+        src = self.gpu_device_payload[slot]
+        dst.view(torch.uint8).reshape(-1).copy_(src.to(dst.device, non_blocking=False))
+        return table.end_read(slot, snap[0], key)
+
+    # --- staging for put ---------------------------------------------------------------------
+
+    def _ensure_staging(self) -> SlotTable:
+        if self.staging is None:
+            name = f"kvtier.{self._node}.stage.{os.getpid()}.{secrets.token_hex(8)}"
+            same_user = os.geteuid() == self._uid
+            seg = ShmSegment.create(
+                name, segment_bytes(self._staging_blocks, self.block_bytes),
+                mode=0o600 if same_user or self._gid is None else 0o660,
+                gid=None if same_user else self._gid,
+            )
+            self.staging = SlotTable.format(seg, Kind.STAGING, self._staging_blocks, self.block_bytes, self.fingerprint)
+        return self.staging
+
+    def stage(self, keys: list[bytes], parent: bytes | None, kv: torch.Tensor) -> list[StagedBlock]:
+        """Write blocks into free staging slots. Stops at the first block with no free slot."""
+        table = self._ensure_staging()
+        host = kv.detach()
+        if host.device.type != "cpu":
+            host = host.cpu()
+        flat = host.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
+        staged: list[StagedBlock] = []
+        for i, key in enumerate(keys):
+            slot = self._free_slot(table)
+            if slot is None:
+                break
+            gen = table.write(slot, key, flat[i], Flags.READY, parent=parent)
+            staged.append(StagedBlock(key, parent, slot, gen))
+            parent = key
+        return staged
+
+    def unstage(self, staged: list[StagedBlock]) -> None:
+        """The daemon never heard of these (publishing failed): make the slots reusable."""
+        if self.staging is not None:
+            for b in staged:
+                self.staging.set_flags(b.slot, Flags.FREE)
+
+    def _free_slot(self, table: SlotTable) -> int | None:
+        for i in range(table.n):
+            slot = (self._cursor + i) % table.n
+            if table.flags(slot) == Flags.FREE and table.gen(slot) % 2 == 0:
+                self._cursor = slot + 1
+                return slot
+        return None
+
+    def check_tensor(self, t: object, n: int, what: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise BadRequest(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.dtype:
+            raise BadRequest(f"{what} must have dtype {self.dtype}, got {t.dtype} (pool {self.name})")
+        if t.dim() != 1 + len(self.shape) or tuple(t.shape[1:]) != self.shape or t.shape[0] < n:
+            raise BadRequest(f"{what} must have shape [>= {n}, {', '.join(map(str, self.shape))}], got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise BadRequest(f"{what} must be contiguous")
+        return t
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging._payloads = None
+            self.staging.seg.close()
+            self.staging.seg.unlink()
+            self.staging = None
+        for table in self.tables.values():
+            table._payloads = None
+            table.seg.close()
+        self.directory.seg.close()

@@ -1,0 +1,67 @@
+"""A blocking wrapper for engines that are not async: the Client runs on a private event loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.client.client import Client, Lookup, PutResult
+from kvtier.keys import BlockKey
+
+
+class SyncClient:
+    def __init__(self, runtime_dir=None, *, staging_blocks: int = 16, timeout: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-client", daemon=True)
+        self._thread.start()
+        self._timeout = timeout
+        try:
+            self._client: Client = self._call(Client.connect(runtime_dir, staging_blocks=staging_blocks))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout)
+
+    def block_keys(self, pool: str, token_ids: Sequence[int], *, salt: bytes | None = None,
+                   lora_id: str | None = None) -> list[BlockKey]:
+        return self._client.block_keys(pool, token_ids, salt=salt, lora_id=lora_id)
+
+    def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        return self._client.lookup(pool, keys)
+
+    def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        return self._call(self._client.locate(pool, keys))
+
+    def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
+        return self._call(self._client.get(pool, keys, out))
+
+    def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None) -> PutResult:
+        return self._call(self._client.put(pool, keys, kv, parent=parent))
+
+    def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
+        self._call(self._client.prefetch(pool, keys, parent=parent))
+
+    def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
+        return self._call(self._client.wait_resident(pool, keys, timeout))
+
+    def close(self) -> None:
+        try:
+            self._call(self._client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

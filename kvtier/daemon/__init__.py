@@ -1,0 +1,1 @@
+"""The daemon: composition root, lifecycle, sd_notify, embedded Redis, descriptor and stats."""

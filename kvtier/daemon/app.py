@@ -1,0 +1,192 @@
+"""The composition root: build every component from the config, run them in one TaskGroup, stop cleanly.
+
+Reads top to bottom: start (runtime dir, Redis, pools, workers), serve (READY, watchdog, stats),
+stop (STOPPING, stop intake, let in-flight work finish within the grace period, tear down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from kvtier.bus.connect import make_redis
+from kvtier.bus.events import Tier
+from kvtier.bus.streams import StreamNames
+from kvtier.bus.transport import BusStats, Consumer, Publisher
+from kvtier.config import Config
+from kvtier.daemon.coordinator import Coordinator
+from kvtier.daemon.descriptor import DESCRIPTOR, FORMAT_VERSION, STATS, write_json_atomic
+from kvtier.daemon.embedded_redis import EmbeddedRedis
+from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.daemon.sdnotify import Notifier
+from kvtier.daemon.staging import StagingSegments
+from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.worker import TierWorker
+
+GROUP = "kvtier"
+REAP_INTERVAL_S = 5.0
+
+
+def _ensure_runtime_dir(path: Path) -> None:
+    path.mkdir(mode=0o750, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o007:
+        path.chmod(0o750)  # never world-accessible: it holds the Redis socket and the descriptor
+
+
+def pool_snapshot(rt: PoolRuntime) -> dict:
+    tiers = {}
+    for t in Tier:
+        idx = rt.placement.tiers[t]
+        c = rt.counters.tiers[t.label]
+        tiers[t.label] = {
+            "blocks": idx.used,
+            "capacity": idx.capacity,
+            "bytes": idx.used * rt.layout.block_bytes,
+            **{k: getattr(c, k) for k in c.__slots__},
+        }
+    return {
+        "block_bytes": rt.layout.block_bytes,
+        "puts": rt.counters.puts,
+        "puts_dropped": rt.counters.puts_dropped,
+        "misses": rt.counters.misses,
+        "redis_corrupt": rt.redis.stats.corrupt,
+        "redis_errors": rt.redis.stats.errors,
+        "tiers": tiers,
+    }
+
+
+class Daemon:
+    def __init__(self, cfg: Config, environ: Mapping[str, str], log=None) -> None:
+        self.cfg = cfg
+        self.environ = environ
+        self.log = (log or structlog.get_logger("kvtier")).bind(node=cfg.node.id)
+        self.notifier = Notifier(environ)
+        self.names = StreamNames(cfg.node.id)
+        self.runtime_dir = cfg.node.runtime_dir
+        self.epoch = time.time_ns()
+        self.started = time.monotonic()
+        self.bus_stats = BusStats()
+        self.pools: dict[str, PoolRuntime] = {}
+        self.consumers: list[Consumer] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        _ensure_runtime_dir(self.runtime_dir)
+        gid = grp.getgrnam(cfg.node.shm_group).gr_gid if cfg.node.shm_group else None
+        embedded = None
+        clients = []
+        staging = StagingSegments(cfg.node.id, self.log)
+        try:
+            url = cfg.redis.url
+            if not url:
+                embedded = EmbeddedRedis(cfg.embedded_redis, self.runtime_dir, self.log)
+                url = await embedded.start()
+            bus_url = cfg.redis.bus_url or url
+            opts = dict(socket_timeout=cfg.redis.socket_timeout_s, connect_timeout=cfg.redis.connect_timeout_s,
+                        retries=cfg.redis.retries)
+            bus = make_redis(bus_url, **opts)
+            blocks = bus if bus_url == url else make_redis(url, **opts)
+            clients = [bus] if blocks is bus else [bus, blocks]
+            for c in clients:
+                await c.ping()
+            self.pools = {
+                p.name: open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis.block_ttl_s, gid, self.log)
+                for p in cfg.pools
+            }
+            publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen, self.bus_stats)
+            coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log)
+            self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
+                                             coordinator.handle)]
+            for t in Tier:
+                worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log)
+                self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle))
+            self._write_descriptor(url, bus_url, gid)
+            await self._serve(stop, embedded, staging)
+        finally:
+            (self.runtime_dir / DESCRIPTOR).unlink(missing_ok=True)
+            for rt in self.pools.values():
+                close_pool(rt, cfg.daemon.persist_arena)
+            staging.close()
+            for c in clients:
+                await c.aclose()
+            if embedded is not None:
+                await embedded.stop()
+            self.log.info("daemon.stopped")
+
+    def _consumer(self, bus, streams: list[str], role: str, handler) -> Consumer:
+        b = self.cfg.bus
+        return Consumer(
+            bus, streams, GROUP, f"{self.cfg.node.id}-{role}", handler,
+            dlq=self.names.dlq, read_count=b.read_count, block_ms=b.block_ms, claim_idle_ms=b.claim_idle_ms,
+            max_deliveries=b.max_deliveries, publisher_maxlen=b.stream_maxlen, stats=self.bus_stats,
+            log=self.log.bind(worker=role),
+        )
+
+    async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments) -> None:
+        grace = self.cfg.daemon.shutdown_grace_s
+        async with asyncio.TaskGroup() as tg:
+            work = [tg.create_task(c.run(), name=f"consumer-{i}") for i, c in enumerate(self.consumers)]
+            chores = [
+                tg.create_task(self._every(self.cfg.daemon.stats_interval_s, self._write_stats)),
+                tg.create_task(self._every(REAP_INTERVAL_S, staging.reap)),
+            ]
+            if self.notifier.watchdog_s:
+                interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
+                chores.append(tg.create_task(self._every(interval, lambda: self.notifier.notify("WATCHDOG=1"))))
+            if embedded is not None:
+                chores.append(tg.create_task(self._watch_embedded(embedded)))
+            self.notifier.notify("READY=1", f"STATUS=serving {len(self.pools)} pool(s)", f"MAINPID={os.getpid()}")
+            self.log.info("daemon.ready", pools=sorted(self.pools), pid=os.getpid())
+            await stop.wait()
+            self.notifier.notify("STOPPING=1")
+            self.log.info("daemon.stopping", grace_s=grace)
+            for c in self.consumers:
+                c.stop()  # finish and ack the batch in hand, take no more
+            _done, pending = await asyncio.wait(work, timeout=grace)
+            for t in pending:
+                t.cancel(msg="shutdown grace period expired")
+            for t in chores:
+                t.cancel(msg="daemon stopping")
+            self._write_stats()
+
+    async def _every(self, interval: float, fn) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                fn()
+            except Exception:
+                self.log.exception("daemon.chore_failed", chore=getattr(fn, "__name__", repr(fn)))
+
+    async def _watch_embedded(self, embedded: EmbeddedRedis) -> None:
+        code = await embedded.wait()
+        raise RuntimeError(f"embedded redis-server exited with code {code}")
+
+    def _write_descriptor(self, url: str, bus_url: str, gid: int | None) -> None:
+        desc = {
+            "version": FORMAT_VERSION,
+            "node": self.cfg.node.id,
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "redis": {"url": url, "bus_url": bus_url},
+            "streams": {"client": self.names.client, "facts": self.names.facts, "dlq": self.names.dlq},
+            "shm_gid": gid,
+            "pools": {name: rt.descriptor() for name, rt in self.pools.items()},
+        }
+        write_json_atomic(self.runtime_dir / DESCRIPTOR, desc)
+
+    def _write_stats(self) -> None:
+        write_json_atomic(self.runtime_dir / STATS, {
+            "node": self.cfg.node.id,
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "written_at": time.time(),
+            "bus": self.bus_stats.as_dict(),
+            "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
+        })

@@ -1,0 +1,64 @@
+"""The coordinator: turns client events and tier facts into tier commands, using the pure policy.
+
+It consumes the node's client stream (access, put, prefetch) and facts stream (stored, removed),
+asks each pool's Placement what to do, and publishes the resulting commands to the tier workers'
+streams in one pipeline. It never touches block bytes.
+"""
+
+from __future__ import annotations
+
+from kvtier.bus.events import Access, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
+from kvtier.bus.streams import StreamNames
+from kvtier.bus.transport import Delivery
+from kvtier.errors import MalformedEvent
+from kvtier.tiers.pool import PoolRuntime
+
+
+def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Evict) -> str:
+    if isinstance(cmd, (Promote, Demote)):
+        return names.tier(cmd.dst)
+    return names.tier(cmd.tier)
+
+
+class Coordinator:
+    def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log) -> None:
+        self.pools = pools
+        self.staging = staging
+        self.publisher = publisher
+        self.names = names
+        self.log = log.bind(worker="coordinator")
+
+    async def handle(self, d: Delivery) -> None:
+        ev = d.envelope.event
+        rt = self.pools.get(getattr(ev, "pool", ""))
+        if rt is None:
+            raise MalformedEvent(f"unknown pool {getattr(ev, 'pool', None)!r}")
+        if isinstance(ev, Put):
+            cmds = self._put(rt, ev)
+        elif isinstance(ev, Access):
+            for key in ev.keys:
+                t = rt.placement.where(key)
+                if t is not None and t != Tier.REDIS:
+                    rt.counters.tiers[t.label].hits += 1
+            rt.counters.misses += ev.missed
+            cmds = rt.placement.on_access(ev.keys)
+        elif isinstance(ev, Prefetch):
+            cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent)
+        elif isinstance(ev, (Stored, Removed)):
+            cmds = rt.placement.on_fact(ev)
+        else:
+            raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
+        cmds += rt.placement.pressure()
+        if cmds:
+            await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
+            self.log.debug("coordinator.commands", pool=rt.name, cause=ev.TYPE, n=len(cmds))
+
+    def _put(self, rt: PoolRuntime, ev: Put) -> list:
+        rt.counters.puts += len(ev.blocks)
+        cmds: list = []
+        for b, tier in zip(ev.blocks, rt.placement.admit([b.key for b in ev.blocks])):
+            if tier is None:  # already cached here: hand the staging slot straight back
+                self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
+            else:
+                cmds.append(Store(rt.name, tier, b.key, b.parent, ev.segment, b.slot, b.gen))
+        return cmds

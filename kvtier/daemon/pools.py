@@ -1,0 +1,116 @@
+"""Opening a pool's tiers on daemon start, and the descriptor entry clients use to find them."""
+
+from __future__ import annotations
+
+import os
+from kvtier.bus.events import Tier
+from kvtier.config import PolicyConfig, PoolConfig
+from kvtier.tiers.stats import PoolCounters
+from kvtier.errors import SegmentError
+from kvtier.layout import BlockLayout
+from kvtier.tiers import gpu as gpu_mem
+from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
+from kvtier.tiers.index import TierIndex
+from kvtier.tiers.local import LocalTier
+from kvtier.tiers.policy import Placement, PolicyKnobs
+from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.redis_blocks import RedisBlocks
+from kvtier.tiers.segment import ShmSegment
+from kvtier.tiers.slots import Kind, SlotTable, segment_bytes
+
+
+def segment_name(node: str, pool: str, part: str) -> str:
+    return f"kvtier.{node}.{pool}.{part}"
+
+
+def _shm_mode(gid: int | None) -> int:
+    return 0o640 if gid is not None else 0o600
+
+
+def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
+    """Create `name`, replacing a leftover of our own from a crashed run (never someone else's)."""
+    if ShmSegment.exists(name):
+        old = ShmSegment.attach(name, trusted_uid=os.geteuid())  # raises for a squatter
+        old.close()
+        ShmSegment.unlink_name(name)
+    return ShmSegment.create(name, size, mode=_shm_mode(gid), gid=gid)
+
+
+def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log) -> tuple[SlotTable, bool]:
+    """Re-attach a surviving arena of the same geometry (warm restart), else create a new one."""
+    if ShmSegment.exists(name):
+        seg = ShmSegment.attach(name, writable=True, trusted_uid=os.geteuid())
+        try:
+            table = SlotTable.open(seg, Kind.ARENA, layout.fingerprint, layout.block_bytes)
+            if table.n == n:
+                return table, True
+            log.info("arena.resized", segment=name, old=table.n, new=n)
+        except SegmentError as e:
+            log.warning("arena.discarded", segment=name, reason=str(e))
+        seg.close()
+        ShmSegment.unlink_name(name)
+    seg = ShmSegment.create(name, segment_bytes(n, layout.block_bytes), mode=_shm_mode(gid), gid=gid)
+    return SlotTable.format(seg, Kind.ARENA, n, layout.block_bytes, layout.fingerprint), False
+
+
+def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, ttl_s: int,
+              gid: int | None, log) -> PoolRuntime:
+    layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
+    log = log.bind(pool=cfg.name)
+    bb = layout.block_bytes
+    dir_cap = directory_capacity(cfg.gpu_blocks + cfg.cpu_blocks)
+    dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
+    directory = DirectoryWriter.create(dir_seg, dir_cap, layout.fingerprint)
+    indices = {Tier.GPU: TierIndex(cfg.gpu_blocks), Tier.CPU: TierIndex(cfg.cpu_blocks), Tier.REDIS: TierIndex(None)}
+
+    gpu_tier = None
+    gpu_ipc = None
+    if cfg.gpu_blocks > 0:
+        device = gpu_mem.resolve_device(cfg.device)
+        name = segment_name(node, cfg.name, "gpu")
+        if device.type == "cpu":
+            seg = _fresh(name, segment_bytes(cfg.gpu_blocks, bb), gid)
+            table = SlotTable.format(seg, Kind.ARENA, cfg.gpu_blocks, bb, layout.fingerprint)
+            gpu_tier = LocalTier(Tier.GPU, table, indices[Tier.GPU], directory)
+        else:
+            seg = _fresh(name, segment_bytes(cfg.gpu_blocks, bb, with_payload=False), gid)
+            table = SlotTable.format(seg, Kind.GPU_HEADERS, cfg.gpu_blocks, bb, layout.fingerprint)
+            payload = gpu_mem.allocate_device_pool(cfg.gpu_blocks, bb, device)
+            gpu_tier = LocalTier(Tier.GPU, table, indices[Tier.GPU], directory, device_payload=payload)
+            gpu_ipc = gpu_mem.export_ipc(payload)
+        log.info("pool.gpu_ready", device=str(device), blocks=cfg.gpu_blocks, block_bytes=bb)
+
+    table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
+    cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
+    if warm:
+        kept, discarded = cpu_tier.rebuild()
+        log.info("arena.reattached", segment=table.seg.name, kept=kept, discarded=discarded)
+    else:
+        log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
+
+    knobs = PolicyKnobs(policy.high_watermark, policy.low_watermark, policy.promote_after_hits)
+    return PoolRuntime(
+        cfg=cfg,
+        layout=layout,
+        gpu=gpu_tier,
+        cpu=cpu_tier,
+        redis=RedisBlocks(redis_blocks_client, cfg.name, layout.fingerprint, bb, ttl_s, log),
+        directory=directory,
+        placement=Placement(cfg.name, indices, knobs),
+        counters=PoolCounters(),
+        gpu_ipc=gpu_ipc,
+    )
+
+
+def close_pool(rt: PoolRuntime, persist_arena: bool) -> None:
+    """Unlink what does not survive a restart; keep the cpu arena if asked (warm restart)."""
+    for t in (rt.gpu, rt.cpu):
+        if t is None:
+            continue
+        t.device_payload = None
+        t.table._payloads = None
+        t.table.seg.close()
+        if t is rt.gpu or not persist_arena:
+            t.table.seg.unlink()
+    rt.directory.seg.close()
+    rt.directory.seg.unlink()

@@ -1,0 +1,36 @@
+"""The one exception hierarchy. Expected outcomes (a miss, no room) are return values, not these."""
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class UnknownPool(KvtierError, KeyError):
+    """A request named a pool that the daemon does not serve."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown pool"
+
+
+class BadRequest(KvtierError, ValueError):
+    """A caller passed something malformed: a key of the wrong length, a tensor of the wrong shape."""
+
+
+class MalformedEvent(KvtierError, ValueError):
+    """A stream entry failed validation; `reason` goes to the dead-letter stream."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CorruptBlock(KvtierError):
+    """Bytes read from Redis or shared memory failed verification."""
+
+
+class SegmentError(KvtierError, OSError):
+    """A shared-memory segment could not be created, attached or trusted."""
+
+
+class DaemonUnavailable(KvtierError, ConnectionError):
+    """No running daemon could be found, or it stopped answering."""

@@ -1,0 +1,76 @@
+"""structlog setup: one JSON object per line on stdout (journald keeps it), or a console view.
+
+Records from the stdlib `logging` module (redis-py logs that way) go through a
+`ProcessorFormatter` on a root handler, so they come out in the same format as our own events.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR}
+FORMATS = ("auto", "json", "console")
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marks the root handler that `configure_logging` owns, so a second call replaces it."""
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    """Route structlog and stdlib logging to `stream` (default: stdout) in one format.
+
+    `fmt` "auto" picks the console renderer on a TTY and JSON otherwise. Calling this again
+    replaces the previous setup instead of adding to it.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    out = sys.stdout if stream is None else stream
+    console = fmt == "console" or (fmt == "auto" and _isatty(out))
+    renderer: list[Any] = (
+        [structlog.dev.ConsoleRenderer(colors=_isatty(out))] if console
+        else [_exceptions_as_dicts(), structlog.processors.JSONRenderer()]
+    )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+
+    structlog.configure(
+        processors=[*shared, structlog.processors.StackInfoRenderer(), *renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
+        # Not cached: a reconfiguration (and structlog.testing.capture_logs in tests) must
+        # reach loggers that modules created at import time. The lookup costs little at one
+        # line per unit of work.
+        cache_logger_on_first_use=False,
+    )
+
+    handler = _Handler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+    ))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(LEVELS[level])
+
+
+def _exceptions_as_dicts() -> Any:
+    # Without locals: they would copy key bytes and buffers into the logs.
+    transformer = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+    return structlog.processors.ExceptionRenderer(transformer)
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())

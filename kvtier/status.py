@@ -1,0 +1,27 @@
+"""Rendering the daemon's stats snapshot as a compact table for `kvtier status` and the demo."""
+
+from __future__ import annotations
+
+COLUMNS = ("blocks", "capacity", "hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def render_status(stats: dict) -> str:
+    lines = [f"node {stats.get('node')}  pid {stats.get('pid')}  up {stats.get('uptime_s', 0):.0f}s"]
+    for name, pool in sorted(stats.get("pools", {}).items()):
+        lines.append(
+            f"pool {name}: block {_mib(pool['block_bytes'])} MiB  puts {pool['puts']}  "
+            f"dropped {pool['puts_dropped']}  misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
+        )
+        lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "     MiB")
+        for tier in ("gpu", "cpu", "redis"):
+            t = pool["tiers"][tier]
+            cells = " ".join(f"{'-' if t.get(c) is None else t.get(c):>11}" for c in COLUMNS)
+            lines.append(f"  {tier:<6} {cells} {_mib(t['bytes']):>7}")
+    bus = stats.get("bus", {})
+    if bus:
+        lines.append("bus: " + "  ".join(f"{k} {v}" for k, v in sorted(bus.items())))
+    return "\n".join(lines)

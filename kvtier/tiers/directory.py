@@ -1,0 +1,147 @@
+"""The shared-memory directory: block key -> (gpu slot, cpu slot), for lookups without a round trip.
+
+An open-addressing table with linear probing in its own segment. The daemon is the only writer
+and keeps a private dict of where each key sits, so updates are O(1). Clients only read. An entry
+is a hint: the client confirms it against the slot header, so a torn or stale entry costs a miss,
+never wrong data. Deletion shifts later entries back (no tombstones to rebuild); a reader racing a
+shift can miss a key for that instant, which is again only a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvtier.errors import SegmentError
+from kvtier.tiers.segment import ShmSegment
+
+DIR_MAGIC = b"KVTDIR01"
+_HEAD = struct.Struct("<8sQ32s")
+_ENTRY = struct.Struct("<Iii I32s16x".replace(" ", ""))
+ENTRY_OFF = 4096
+ENTRY_BYTES = _ENTRY.size
+NO_SLOT = -1
+IN_REDIS = 1  # flags bit: the daemon wrote this block to Redis
+
+
+def directory_capacity(blocks: int) -> int:
+    """A power of two at least twice the number of local slots, so probes stay short."""
+    cap = 64
+    while cap < 2 * blocks:
+        cap *= 2
+    return cap
+
+
+def directory_bytes(capacity: int) -> int:
+    return ENTRY_OFF + ENTRY_BYTES * capacity
+
+
+def _home(key: bytes, mask: int) -> int:
+    return int.from_bytes(key[:8], "little") & mask
+
+
+class DirectoryReader:
+    """Client side: probe for a key. Never writes."""
+
+    def __init__(self, seg: ShmSegment, fingerprint: bytes | None = None) -> None:
+        magic, cap, fp = _HEAD.unpack_from(seg.buf, 0)
+        if magic != DIR_MAGIC or cap <= 0 or cap & (cap - 1) or seg.size < directory_bytes(cap):
+            raise SegmentError(f"segment {seg.name} is not a valid directory")
+        if fingerprint is not None and fp != fingerprint:
+            raise SegmentError(f"directory {seg.name} belongs to another layout")
+        self.seg = seg
+        self.capacity = cap
+        self._mask = cap - 1
+
+    def find(self, key: bytes) -> tuple[int, int, int] | None:
+        """(gpu_slot, cpu_slot, flags) for `key`, or None."""
+        buf, mask, unpack = self.seg.buf, self._mask, _ENTRY.unpack_from
+        i = _home(key, mask)
+        for _ in range(self.capacity):
+            used, gpu, cpu, flags, k = unpack(buf, ENTRY_OFF + i * ENTRY_BYTES)
+            if not used:
+                return None
+            if k == key:
+                return gpu, cpu, flags
+            i = (i + 1) & mask
+        return None
+
+
+class DirectoryWriter(DirectoryReader):
+    """Daemon side. Single writer; keeps `self._where` (key -> bucket) in step with the table."""
+
+    def __init__(self, seg: ShmSegment) -> None:
+        super().__init__(seg)
+        self._where: dict[bytes, int] = {}
+        self._rows: dict[bytes, list[int]] = {}  # key -> [gpu, cpu, flags]
+
+    @classmethod
+    def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> "DirectoryWriter":
+        seg.buf[: directory_bytes(capacity)] = bytes(directory_bytes(capacity))
+        _HEAD.pack_into(seg.buf, 0, DIR_MAGIC, capacity, fingerprint)
+        return cls(seg)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def get(self, key: bytes) -> tuple[int, int, int] | None:
+        row = self._rows.get(key)
+        return None if row is None else (row[0], row[1], row[2])
+
+    def set_slot(self, key: bytes, tier_index: int, slot: int) -> None:
+        """tier_index 0 = gpu, 1 = cpu."""
+        row = self._rows.get(key)
+        if row is None:
+            if slot == NO_SLOT:
+                return
+            if len(self._where) >= self.capacity - 1:
+                raise SegmentError("directory is full")  # cannot happen: capacity >= 2 x slots
+            row = [NO_SLOT, NO_SLOT, 0]
+            row[tier_index] = slot
+            self._insert(key, row)
+            return
+        row[tier_index] = slot
+        self._store(key, row)
+
+    def set_flag(self, key: bytes, flag: int, on: bool) -> None:
+        row = self._rows.get(key)
+        if row is None:
+            return  # only blocks resident in a local tier are listed
+        row[2] = (row[2] | flag) if on else (row[2] & ~flag)
+        self._store(key, row)
+
+    def _insert(self, key: bytes, row: list[int]) -> None:
+        i = _home(key, self._mask)
+        while _ENTRY.unpack_from(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES)[0]:
+            i = (i + 1) & self._mask
+        self._where[key] = i
+        self._rows[key] = row
+        self._write(i, key, row)
+
+    def _store(self, key: bytes, row: list[int]) -> None:
+        if row[0] == NO_SLOT and row[1] == NO_SLOT:
+            self._delete(key)
+        else:
+            self._write(self._where[key], key, row)
+
+    def _write(self, i: int, key: bytes, row: list[int]) -> None:
+        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key)
+
+    def _delete(self, key: bytes) -> None:
+        i = self._where.pop(key)
+        del self._rows[key]
+        mask = self._mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            used, *_rest, kj = _ENTRY.unpack_from(self.seg.buf, ENTRY_OFF + j * ENTRY_BYTES)
+            if not used:
+                break
+            h = _home(kj, mask)
+            # Entry j may move into the hole at i only if its home does not lie in (i, j].
+            stays = (i < h <= j) if i <= j else (h > i or h <= j)
+            if stays:
+                continue
+            self._write(i, kj, self._rows[kj])
+            self._where[kj] = i
+            i = j
+        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 0, NO_SLOT, NO_SLOT, 0, bytes(32))

@@ -1,0 +1,47 @@
+"""The gpu tier's memory: a preallocated torch pool on the configured device.
+
+With CUDA the payload is a device tensor [capacity, block_bytes] whose headers live in shared
+memory and which clients map by CUDA IPC. Without CUDA the same pool lives in a shared-memory
+arena, so clients read it exactly as they read the cpu tier (and the tests exercise that path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import KvtierError
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' picks cuda:0 when CUDA works, else cpu. Asking for CUDA without it is an error."""
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KvtierError(f"device {spec!r} configured but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", 0)
+        if dev.index >= torch.cuda.device_count():
+            raise KvtierError(f"device {spec!r} does not exist ({torch.cuda.device_count()} GPUs)")
+    return dev
+
+
+def allocate_device_pool(capacity: int, block_bytes: int, device: torch.device) -> torch.Tensor:
+    """Preallocate the whole pool up front so a full pool never fails an allocation later."""
+    return torch.zeros((capacity, block_bytes), dtype=torch.uint8, device=device)
+
+
+def export_ipc(pool: torch.Tensor) -> dict:
+    """A JSON-able CUDA IPC handle for the pool's storage (no pickle: raw handle bytes as hex)."""
+    fields = pool.untyped_storage()._share_cuda_()
+    return {"fields": [f.hex() if isinstance(f, bytes) else f for f in fields], "shape": list(pool.shape)}
+
+
+def import_ipc(desc: dict) -> torch.Tensor:
+    """Open a pool exported by `export_ipc` in another process."""
+    raw = [bytes.fromhex(f) if isinstance(f, str) else f for f in desc["fields"]]
+    storage = torch.UntypedStorage._new_shared_cuda(*raw)
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    t.set_(storage, 0, tuple(desc["shape"]))
+    return t

@@ -1,0 +1,173 @@
+"""The pure per-tier index: which block sits in which slot, in LRU order, with pins and prefix links.
+
+Synchronous and I/O-free: the async tier workers call it and act on what it returns. One
+TierIndex covers one tier of one pool. "Cannot satisfy" is a None return that changes nothing.
+
+Prefix awareness: an entry counts its children resident in the same tier. Only entries with no
+resident children are eviction candidates, so a chain's tail always leaves before its head (as
+in vLLM and SGLang). Pinned entries (being read or transferred) are never candidates.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+class State(enum.Enum):
+    PENDING = "pending"  # slot reserved, bytes in flight; not visible
+    READY = "ready"  # visible to readers
+
+
+@dataclass(slots=True)
+class Entry:
+    key: bytes
+    parent: bytes | None
+    slot: int
+    state: State = State.PENDING
+    pins: int = 0
+    hits: int = 0
+    leaving: bool = False  # chosen to leave this tier (demote or evict under way); pinned meanwhile
+
+
+class TierIndex:
+    """Slots, LRU order and prefix links of one tier. `capacity` None means unbounded (Redis)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
+        self._entries: dict[bytes, Entry] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # READY entries, coldest first
+        # READY children per parent key, whether or not the parent is here yet, so a parent that
+        # arrives after its child is still protected.
+        self._kids: dict[bytes, int] = {}
+        self.leaving = 0  # entries marked leaving
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        e = self._entries.get(key)  # type: ignore[arg-type]
+        return e is not None and e.state is State.READY
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    @property
+    def used(self) -> int:
+        return len(self._entries)
+
+    @property
+    def free(self) -> int:
+        return len(self._free) if self.capacity is not None else 1 << 62
+
+    def ready(self) -> Iterator[Entry]:
+        for key in self._lru:
+            yield self._entries[key]
+
+    def candidates(self) -> Iterator[bytes]:
+        """Eviction candidates, coldest first: READY, unpinned, no resident children."""
+        for key in self._lru:
+            e = self._entries[key]
+            if e.pins == 0 and not self._kids.get(key):
+                yield key
+
+    def children(self, key: bytes) -> int:
+        return self._kids.get(key, 0)
+
+    # --- transitions ---------------------------------------------------------------------------
+
+    def reserve(self, key: bytes, parent: bytes | None, slot: int | None = None) -> Entry | None:
+        """Take a free slot (or the given one) for `key`, PENDING. None if present or full."""
+        if key in self._entries:
+            return None
+        if self.capacity is None:
+            slot = -1
+        elif slot is None:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        else:
+            try:
+                self._free.remove(slot)
+            except ValueError:
+                return None
+        e = Entry(key=key, parent=parent, slot=slot)
+        self._entries[key] = e
+        return e
+
+    def commit(self, key: bytes) -> Entry | None:
+        """PENDING -> READY: visible, most recently used, counted as its parent's child."""
+        e = self._entries.get(key)
+        if e is None or e.state is State.READY:
+            return e
+        e.state = State.READY
+        self._lru[key] = None
+        if e.parent is not None:
+            self._kids[e.parent] = self._kids.get(e.parent, 0) + 1
+        return e
+
+    def add(self, key: bytes, parent: bytes | None, slot: int | None = None) -> Entry | None:
+        """reserve + commit in one step (used when rebuilding from slot headers)."""
+        e = self.reserve(key, parent, slot)
+        return None if e is None else self.commit(key)
+
+    def remove(self, key: bytes) -> Entry | None:
+        """Forget `key` and free its slot. Returns the removed entry, or None if absent."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return None
+        if e.leaving:
+            self.leaving -= 1
+        if e.state is State.READY:
+            del self._lru[key]
+            if e.parent is not None:
+                n = self._kids[e.parent] - 1
+                if n:
+                    self._kids[e.parent] = n
+                else:
+                    del self._kids[e.parent]
+        if self.capacity is not None:
+            self._free.append(e.slot)
+        return e
+
+    def touch(self, key: bytes) -> Entry | None:
+        e = self._entries.get(key)
+        if e is not None and e.state is State.READY:
+            self._lru.move_to_end(key)
+            e.hits += 1
+        return e
+
+    def pin(self, key: bytes) -> bool:
+        e = self._entries.get(key)
+        if e is None:
+            return False
+        e.pins += 1
+        return True
+
+    def unpin(self, key: bytes) -> None:
+        e = self._entries.get(key)
+        if e is not None and e.pins > 0:
+            e.pins -= 1
+
+    def mark_leaving(self, key: bytes) -> bool:
+        """Chosen for demotion or eviction: pinned (still readable) and not chosen again."""
+        e = self._entries.get(key)
+        if e is None or e.leaving:
+            return False
+        e.leaving = True
+        e.pins += 1
+        self.leaving += 1
+        return True
+
+    def clear_leaving(self, key: bytes) -> None:
+        """The move failed or was refused: the block stays and may be chosen again later."""
+        e = self._entries.get(key)
+        if e is not None and e.leaving:
+            e.leaving = False
+            e.pins -= 1
+            self.leaving -= 1

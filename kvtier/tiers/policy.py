@@ -1,0 +1,141 @@
+"""Placement policy: a pure function of the tier indices that returns commands for the workers.
+
+It imports neither asyncio, redis nor torch. The coordinator calls it after each batch of client
+events and tier facts and publishes what it returns; the tier workers carry the commands out.
+
+Rules (config `[policy]`):
+- A put lands in the highest local tier with a free slot (gpu, then cpu). With none free it goes
+  to cpu, whose worker drops a clean block (one Redis holds) for it, or else drops the put.
+- Above `high_watermark` of its slots, a tier sheds its coldest evictable blocks down to
+  `low_watermark`: a block the next tier already holds is evicted at once; any other is demoted
+  (write-back) and stays readable, pinned, until the next tier reports it stored.
+- A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
+- A prefetch promotes the blocks that are not local from Redis into cpu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.bus.events import Demote, Evict, Promote, Removed, Stored, Tier
+from kvtier.tiers.index import State, TierIndex
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKnobs:
+    high_watermark: float = 0.9
+    low_watermark: float = 0.75
+    promote_after_hits: int = 2
+
+
+Command = Promote | Demote | Evict
+LOCAL = (Tier.GPU, Tier.CPU)
+
+
+class Placement:
+    """Decisions for one pool. `tiers` maps every Tier to its index (Redis: unbounded, by key)."""
+
+    def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
+        self.pool = pool
+        self.tiers = tiers
+        self.knobs = knobs
+
+    def where(self, key: bytes) -> Tier | None:
+        """The highest tier known to hold `key` as a visible block."""
+        for t in (Tier.GPU, Tier.CPU, Tier.REDIS):
+            if key in self.tiers[t]:
+                return t
+        return None
+
+    def admit(self, keys: Sequence[bytes]) -> list[Tier | None]:
+        """Where each new block from a client goes: the highest local tier with room left after
+        the earlier blocks of the batch, else cpu, whose worker may drop a clean block for it.
+        None for a block already here (the put is a duplicate)."""
+        room = {t: self.tiers[t].free if self.tiers[t].capacity else 0 for t in LOCAL}
+        out: list[Tier | None] = []
+        for key in keys:
+            if any(self.tiers[t].get(key) is not None for t in LOCAL):
+                out.append(None)
+                continue
+            tier = next((t for t in LOCAL if room[t] > 0), Tier.CPU)
+            room[tier] -= 1
+            out.append(tier)
+        return out
+
+    def on_access(self, keys: Iterable[bytes]) -> list[Command]:
+        out: list[Command] = []
+        gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
+        room = gpu.free if gpu.capacity else 0
+        for key in keys:
+            g = gpu.touch(key)
+            c = cpu.touch(key)
+            if (g is None and c is not None and c.state is State.READY and room > 0
+                    and c.hits >= self.knobs.promote_after_hits):
+                out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
+                room -= 1
+        return out
+
+    def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None) -> list[Command]:
+        out: list[Command] = []
+        cpu = self.tiers[Tier.CPU]
+        parent = head_parent
+        for key in keys:
+            local = [self.tiers[t].get(key) for t in LOCAL]
+            if all(e is None for e in local):
+                out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+            else:
+                cpu.touch(key)
+            parent = key
+        return out
+
+    def on_fact(self, fact: Stored | Removed) -> list[Command]:
+        """Finish write-backs: once the next tier stored a demoted block, drop it up here."""
+        if isinstance(fact, Stored) and fact.cause == Demote.TYPE and fact.tier != Tier.GPU:
+            src = Tier(fact.tier - 1)
+            if self.tiers[src].get(fact.key) is not None:
+                return [Evict(self.pool, fact.key, src, "demoted")]
+        if isinstance(fact, Removed) and fact.cause.startswith(Demote.TYPE) and fact.tier != Tier.GPU:
+            # The demote failed: the block stays where it was and may be chosen again.
+            self.tiers[Tier(fact.tier - 1)].clear_leaving(fact.key)
+        return []
+
+    def pressure(self) -> list[Command]:
+        """Shed blocks from every local tier above its high watermark."""
+        out: list[Command] = []
+        for t in LOCAL:
+            out.extend(self._shed(t))
+        return out
+
+    def _shed(self, t: Tier) -> list[Command]:
+        idx = self.tiers[t]
+        if not idx.capacity:
+            return []
+        staying = idx.used - idx.leaving
+        if staying <= self.knobs.high_watermark * idx.capacity:
+            return []
+        excess = staying - int(self.knobs.low_watermark * idx.capacity)
+        lower = Tier(t + 1)
+        out: list[Command] = []
+        for key in list(idx.candidates()):
+            if excess <= 0:
+                break
+            e = idx.get(key)
+            assert e is not None
+            if key in self.tiers[lower]:
+                out.append(Evict(self.pool, key, t, "clean"))
+            else:
+                out.append(Demote(self.pool, key, e.parent, t, lower, e.slot, 0))
+            idx.mark_leaving(key)  # readable until the worker acts, never picked twice
+            excess -= 1
+        return out
+
+    def clean_victim(self, t: Tier) -> bytes | None:
+        """A block `t` may drop right now to make room: one the next tier already holds."""
+        if t == Tier.REDIS:
+            return None
+        lower = self.tiers[Tier(t + 1)]
+        for key in self.tiers[t].candidates():
+            if key in lower:
+                return key
+        return None

@@ -1,0 +1,106 @@
+"""The redis tier's storage: `kvtier:blk:<pool>:<hex key>` -> fixed binary header + raw payload.
+
+Header: magic 8s | version u16 | reserved u16 | layout fingerprint 32s | key 32s | length u64 |
+checksum u64 (xxh3-64 of the payload). Nothing is pickled. Every value read back is verified
+against the key asked for, the pool's layout and the checksum; a bad value is deleted, counted and
+logged, and the read is a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from kvtier.errors import CorruptBlock
+from kvtier.tiers.slots import checksum
+
+BLK_MAGIC = b"KVTBLK01"
+BLK_VERSION = 1
+BLK_HDR = struct.Struct("<8sHH32s32sQQ")
+
+
+def redis_block_key(pool: str, key: bytes) -> str:
+    # No hash tag: blocks spread across Redis Cluster slots.
+    return f"kvtier:blk:{pool}:{key.hex()}"
+
+
+def pack_block(fingerprint: bytes, key: bytes, payload: np.ndarray, csum: int) -> bytearray:
+    out = bytearray(BLK_HDR.size + payload.nbytes)
+    BLK_HDR.pack_into(out, 0, BLK_MAGIC, BLK_VERSION, 0, fingerprint, key, payload.nbytes, csum)
+    out[BLK_HDR.size:] = payload.reshape(-1).view(np.uint8).data
+    return out
+
+
+def unpack_block(raw: bytes, fingerprint: bytes, key: bytes, block_bytes: int) -> tuple[np.ndarray, int]:
+    """Verify a value read from Redis. Returns (payload view, checksum) or raises CorruptBlock."""
+    if len(raw) != BLK_HDR.size + block_bytes:
+        raise CorruptBlock(f"value is {len(raw)} bytes, expected {BLK_HDR.size + block_bytes}")
+    magic, ver, _r, fp, k, length, csum = BLK_HDR.unpack_from(raw, 0)
+    if magic != BLK_MAGIC or ver != BLK_VERSION:
+        raise CorruptBlock("bad magic or version")
+    if fp != fingerprint:
+        raise CorruptBlock("value belongs to another layout")
+    if k != key:
+        raise CorruptBlock("value holds another key")
+    if length != block_bytes:
+        raise CorruptBlock(f"header length {length} != block size {block_bytes}")
+    payload = np.frombuffer(raw, dtype=np.uint8, count=block_bytes, offset=BLK_HDR.size)
+    if checksum(payload) != csum:
+        raise CorruptBlock("checksum mismatch")
+    return payload, csum
+
+
+@dataclass(slots=True)
+class RedisBlockStats:
+    corrupt: int = 0
+    errors: int = 0
+
+
+class RedisBlocks:
+    """One pool's blocks in Redis. Errors from Redis propagate; the worker turns them into misses."""
+
+    def __init__(self, client: aioredis.Redis, pool: str, fingerprint: bytes, block_bytes: int,
+                 ttl_s: int, log) -> None:
+        self.client = client
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.block_bytes = block_bytes
+        self.ttl_s = ttl_s
+        self.log = log.bind(pool=pool, tier="redis")
+        self.stats = RedisBlockStats()
+
+    def name(self, key: bytes) -> str:
+        return redis_block_key(self.pool, key)
+
+    async def put(self, key: bytes, payload: np.ndarray, csum: int) -> None:
+        value = pack_block(self.fingerprint, key, payload, csum)
+        await self.client.set(self.name(key), value, ex=self.ttl_s or None)
+
+    async def get(self, key: bytes) -> tuple[np.ndarray, int] | None:
+        """The verified payload and checksum, or None when absent or corrupt (then deleted)."""
+        raw = await self.client.get(self.name(key))
+        if raw is None:
+            return None
+        try:
+            return unpack_block(raw, self.fingerprint, key, self.block_bytes)
+        except CorruptBlock as e:
+            self.stats.corrupt += 1
+            self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
+            try:
+                await self.client.delete(self.name(key))
+            except redis.exceptions.RedisError as de:
+                self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
+            return None
+
+    async def delete(self, key: bytes) -> bool:
+        return bool(await self.client.delete(self.name(key)))
+
+    async def exists(self, keys: list[bytes]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(self.name(k))
+        return [bool(x) for x in await pipe.execute()]

@@ -1,0 +1,228 @@
+"""Slot tables: the fixed layout shared by the cpu arena, the gpu pool's headers and client staging.
+
+Segment layout:
+    [0, 4096)                 segment header (SEG below)
+    [4096, 4096 + 128 * n)    slot headers, 128 bytes each
+    [payload_off, ...)        n payloads of `stride` bytes (absent when the payload lives on a GPU)
+
+Slot header (128 bytes): magic u32 | flags u32 | gen u64 | key 32s | length u64 | checksum u64 |
+parent 32s (all zero for a chain head) | padding. The parent lets a restarted daemon rebuild the
+prefix links of its index from the headers alone.
+`gen` is a seqlock: a writer makes it odd, writes, then makes it even again. A reader records
+an even gen, copies, re-reads gen and verifies key, length and the xxh3 checksum of *its copy*.
+So a torn, evicted or reused slot reads as a miss, never as wrong bytes. Each slot has one
+writer at a time: the daemon, or for a staging slot the client until it marks the slot READY.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import SegmentError
+from kvtier.tiers.segment import ShmSegment
+
+SEG_MAGIC = b"KVTIER01"
+SEG = struct.Struct("<8sIIQQQQ32sQQ")  # magic ver kind n block_bytes stride payload_off fp pid created
+HEADER_OFF = 4096
+SLOT_HDR = 128
+SLOT_MAGIC = 0x4B56534C  # "KVSL"
+PAGE = 4096
+_HDR = struct.Struct("<IIQ32sQQ32s")
+_GEN = struct.Struct("<Q")
+_FLAGS = struct.Struct("<I")
+LAYOUT_VERSION = 1
+EMPTY_KEY = bytes(32)
+
+
+class Kind:
+    ARENA = 1  # cpu tier (and the gpu tier when it runs on the CPU)
+    GPU_HEADERS = 2  # headers only: the payload is a CUDA tensor shared by IPC
+    STAGING = 3  # a client's outbox for put
+
+
+class Flags:
+    EMPTY = 0
+    VALID = 1  # arena: the slot holds a visible block
+    READY = 2  # staging: written by the client, waiting for the daemon
+    FREE = 0  # staging: consumed (or never used); the client may write it
+
+
+class SlotHeader(NamedTuple):
+    magic: int
+    flags: int
+    gen: int
+    key: bytes
+    length: int
+    checksum: int
+    parent: bytes
+
+    @property
+    def parent_key(self) -> bytes | None:
+        return None if self.parent == EMPTY_KEY else self.parent
+
+
+def checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def segment_bytes(n: int, block_bytes: int, with_payload: bool = True) -> int:
+    payload_off = _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+    return payload_off + (_round_up(block_bytes, PAGE) * n if with_payload else 0)
+
+
+@dataclass(slots=True)
+class SlotTable:
+    seg: ShmSegment
+    kind: int
+    n: int
+    block_bytes: int
+    stride: int
+    payload_off: int
+    fingerprint: bytes
+    _payloads: np.ndarray | None = None
+
+    # --- creation and validation ------------------------------------------------------------
+
+    @classmethod
+    def format(cls, seg: ShmSegment, kind: int, n: int, block_bytes: int, fingerprint: bytes) -> "SlotTable":
+        with_payload = kind != Kind.GPU_HEADERS
+        if seg.size < segment_bytes(n, block_bytes, with_payload):
+            raise SegmentError(f"segment {seg.name} too small for {n} slots")
+        stride = _round_up(block_bytes, PAGE)
+        payload_off = _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+        seg.buf[HEADER_OFF : HEADER_OFF + SLOT_HDR * n] = bytes(SLOT_HDR * n)
+        SEG.pack_into(
+            seg.buf, 0, SEG_MAGIC, LAYOUT_VERSION, kind, n, block_bytes, stride, payload_off,
+            fingerprint, os.getpid(), time.time_ns(),
+        )
+        return cls(seg, kind, n, block_bytes, stride, payload_off, fingerprint)
+
+    @classmethod
+    def open(cls, seg: ShmSegment, kind: int, fingerprint: bytes | None = None,
+             block_bytes: int | None = None) -> "SlotTable":
+        """Validate an existing segment's header against its size and what we expect."""
+        if seg.size < HEADER_OFF:
+            raise SegmentError(f"segment {seg.name} is too small to hold a header")
+        magic, ver, k, n, bb, stride, payload_off, fp, _pid, _ts = SEG.unpack_from(seg.buf, 0)
+        if magic != SEG_MAGIC or ver != LAYOUT_VERSION:
+            raise SegmentError(f"segment {seg.name} has a bad magic or version")
+        if k != kind:
+            raise SegmentError(f"segment {seg.name} is of kind {k}, expected {kind}")
+        if fingerprint is not None and fp != fingerprint:
+            raise SegmentError(f"segment {seg.name} holds another layout")
+        if block_bytes is not None and bb != block_bytes:
+            raise SegmentError(f"segment {seg.name} has block size {bb}, expected {block_bytes}")
+        with_payload = kind != Kind.GPU_HEADERS
+        if (n <= 0 or bb <= 0 or stride != _round_up(bb, PAGE)
+                or payload_off != _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+                or seg.size < segment_bytes(n, bb, with_payload)):
+            raise SegmentError(f"segment {seg.name} geometry does not match its size")
+        return cls(seg, kind, n, bb, stride, payload_off, fp)
+
+    @property
+    def owner_pid(self) -> int:
+        return SEG.unpack_from(self.seg.buf, 0)[8]
+
+    # --- payload views -------------------------------------------------------------------------
+
+    def payloads(self) -> np.ndarray:
+        """All payloads as a [n, stride] uint8 array over the shared mapping (no copy)."""
+        if self.kind == Kind.GPU_HEADERS:
+            raise SegmentError("payloads of this table live on a GPU")
+        if self._payloads is None:
+            flat = np.frombuffer(self.seg.buf, dtype=np.uint8, count=self.n * self.stride, offset=self.payload_off)
+            self._payloads = flat.reshape(self.n, self.stride)
+        return self._payloads
+
+    def payload(self, slot: int) -> np.ndarray:
+        return self.payloads()[slot, : self.block_bytes]
+
+    # --- headers -------------------------------------------------------------------------------
+
+    def _off(self, slot: int) -> int:
+        if not 0 <= slot < self.n:
+            raise IndexError(f"slot {slot} outside [0, {self.n})")
+        return HEADER_OFF + SLOT_HDR * slot
+
+    def header(self, slot: int) -> SlotHeader:
+        return SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
+
+    def gen(self, slot: int) -> int:
+        return _GEN.unpack_from(self.seg.buf, self._off(slot) + 8)[0]
+
+    def flags(self, slot: int) -> int:
+        return _FLAGS.unpack_from(self.seg.buf, self._off(slot) + 4)[0]
+
+    def set_flags(self, slot: int, flags: int) -> None:
+        _FLAGS.pack_into(self.seg.buf, self._off(slot) + 4, flags)
+
+    def begin_write(self, slot: int) -> int:
+        """Mark the slot as being written (odd gen); readers now fail. Returns the odd gen."""
+        off = self._off(slot)
+        g = _GEN.unpack_from(self.seg.buf, off + 8)[0]
+        g = g + 1 if g % 2 == 0 else g + 2  # recover from a writer that died mid-write
+        _GEN.pack_into(self.seg.buf, off + 8, g)
+        return g
+
+    def end_write(self, slot: int, odd_gen: int, key: bytes, length: int, csum: int, flags: int,
+                  parent: bytes | None = None) -> int:
+        """Publish key, length, checksum and parent, then make gen even. Returns the new even gen."""
+        off = self._off(slot)
+        _HDR.pack_into(self.seg.buf, off, SLOT_MAGIC, flags, odd_gen, key, length, csum, parent or EMPTY_KEY)
+        _GEN.pack_into(self.seg.buf, off + 8, odd_gen + 1)
+        return odd_gen + 1
+
+    def invalidate(self, slot: int) -> None:
+        g = self.begin_write(slot)
+        self.end_write(slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
+
+    def write(self, slot: int, key: bytes, data, flags: int = Flags.VALID, csum: int | None = None,
+              parent: bytes | None = None) -> int:
+        """Seqlock-write a payload that lives in this segment. Returns the new even gen."""
+        length = len(data) if not isinstance(data, np.ndarray) else data.nbytes
+        if length > self.block_bytes:
+            raise ValueError(f"payload of {length} bytes exceeds the block size {self.block_bytes}")
+        g = self.begin_write(slot)
+        dst = self.payloads()[slot, :length]
+        np.copyto(dst, np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8))
+        if csum is None:
+            csum = checksum(dst)
+        return self.end_write(slot, g, key, length, csum, flags, parent)
+
+    # --- verified reads ------------------------------------------------------------------------
+
+    def begin_read(self, slot: int, key: bytes, flags: int = Flags.VALID) -> tuple[int, int] | None:
+        """(gen, checksum) when the slot holds `key` as a complete block, else None."""
+        h = SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
+        if (h.magic != SLOT_MAGIC or h.gen % 2 or h.flags != flags or h.key != key
+                or h.length != self.block_bytes):
+            return None
+        return h.gen, h.checksum
+
+    def end_read(self, slot: int, gen: int, key: bytes) -> bool:
+        h = SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
+        return h.gen == gen and h.key == key
+
+    def read_into(self, slot: int, key: bytes, dst: np.ndarray, flags: int = Flags.VALID) -> int | None:
+        """Copy the block into `dst` (uint8, block_bytes) and verify it. Returns its checksum or None."""
+        snap = self.begin_read(slot, key, flags)
+        if snap is None:
+            return None
+        gen, csum = snap
+        np.copyto(dst, self.payloads()[slot, : self.block_bytes])
+        if not self.end_read(slot, gen, key):
+            return None
+        if checksum(dst) != csum:
+            return None
+        return csum

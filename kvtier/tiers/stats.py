@@ -1,0 +1,30 @@
+"""Counters the daemon keeps per pool and tier. Plain per-instance dataclasses: no globals."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0  # blocks clients read from this tier
+    stored: int = 0  # new blocks admitted from clients
+    promoted_in: int = 0  # blocks copied up into this tier
+    demoted_in: int = 0  # blocks written back into this tier
+    evicted: int = 0  # blocks dropped from this tier
+    bytes_in: int = 0  # payload bytes written into this tier
+    failed: int = 0  # transfers into this tier that did not complete (counted misses)
+    refused: int = 0  # evictions refused because no lower tier held the block
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    misses: int = 0  # blocks clients asked for past their hit prefix
+    puts: int = 0  # blocks clients handed over
+    puts_dropped: int = 0  # of those, dropped for want of room or bad staging
+    tiers: dict[str, TierCounters] = field(
+        default_factory=lambda: {t: TierCounters() for t in ("gpu", "cpu", "redis")}
+    )
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,187 @@
+"""One tier worker: consumes its tier's command stream and carries out store, promote, demote, evict.
+
+Uniform over tiers: the destination of a transfer pulls a verified copy from the source, stores
+it, and reports a `stored` fact; the source keeps its copy until the coordinator, seeing that
+fact, tells it to evict (write-back). Every command yields at most one fact, and every handler is
+idempotent, because delivery is at least once. A failed transfer is a `removed` fact with a
+`*_failed:<why>` cause, a counter and a log line, never a half-visible block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import redis.exceptions
+
+from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.bus.transport import Delivery
+from kvtier.errors import MalformedEvent, SegmentError
+from kvtier.tiers.directory import IN_REDIS
+from kvtier.tiers.local import LocalTier
+from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.slots import Flags
+
+Fact = Stored | Removed
+
+
+class TierWorker:
+    def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging, publisher, facts_stream: str,
+                 log) -> None:
+        self.tier = tier
+        self.pools = pools
+        self.staging = staging
+        self.publisher = publisher
+        self.facts_stream = facts_stream
+        self.log = log.bind(tier=tier.label)
+        self._scratch: dict[int, np.ndarray] = {}
+
+    def _buf(self, nbytes: int) -> np.ndarray:
+        buf = self._scratch.get(nbytes)
+        if buf is None:
+            buf = self._scratch[nbytes] = np.empty(nbytes, dtype=np.uint8)
+        return buf
+
+    async def handle(self, d: Delivery) -> None:
+        ev = d.envelope.event
+        rt = self.pools.get(getattr(ev, "pool", ""))
+        if rt is None:
+            raise MalformedEvent(f"unknown pool {getattr(ev, 'pool', None)!r}")
+        target = {Store: "tier", Promote: "dst", Demote: "dst", Evict: "tier"}.get(type(ev))
+        if target is None or getattr(ev, target) != self.tier:
+            raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
+        if isinstance(ev, Store):
+            fact = await self._store(rt, ev)
+        elif isinstance(ev, Evict):
+            fact = await self._evict(rt, ev)
+        else:
+            fact = await self._transfer(rt, ev)
+        if fact is not None:
+            await self.publisher.publish(self.facts_stream, fact)
+
+    # --- store: client staging -> this tier ---------------------------------------------------
+
+    async def _store(self, rt: PoolRuntime, ev: Store) -> Fact:
+        dst = rt.local(self.tier)
+        if dst is None:
+            raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
+        bb = rt.layout.block_bytes
+        try:
+            staging = self.staging.get(ev.segment, bb)
+            if not 0 <= ev.slot < staging.n:
+                raise SegmentError(f"slot {ev.slot} outside staging of {staging.n} slots")
+        except SegmentError as e:
+            return self._failed(rt, ev, "bad_staging", str(e), dropped=True)
+        if dst.index.get(ev.key) is not None:  # duplicate delivery, or another client put it first
+            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
+            return Stored(rt.name, ev.key, ev.parent, self.tier, dst.index.get(ev.key).slot, Store.TYPE)
+        buf = self._buf(bb)
+        csum = None
+        if staging.gen(ev.slot) == ev.gen:
+            csum = staging.read_into(ev.slot, ev.key, buf, flags=Flags.READY)
+        if csum is None:
+            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
+            return self._failed(rt, ev, "verify", "staging slot changed or failed its checksum", dropped=True)
+        entry = self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
+        self.staging.release(ev.segment, bb, ev.slot, ev.gen)
+        if entry is None:
+            return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
+        c = rt.counters.tiers[self.tier.label]
+        c.stored += 1
+        c.bytes_in += bb
+        return Stored(rt.name, ev.key, ev.parent, self.tier, entry.slot, Store.TYPE)
+
+    # --- promote / demote: another tier -> this tier -------------------------------------------
+
+    async def _transfer(self, rt: PoolRuntime, ev: Promote | Demote) -> Fact:
+        dst = rt.local(self.tier)
+        if self.tier != Tier.REDIS:
+            if dst is None:
+                raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
+            if (have := dst.index.get(ev.key)) is not None:
+                return Stored(rt.name, ev.key, ev.parent, self.tier, have.slot, ev.TYPE)
+        got = await self._read_source(rt, ev)
+        if got is None:
+            return self._failed(rt, ev, "source_miss", f"{ev.src.label} no longer holds a valid copy")
+        payload, csum = got
+        if self.tier == Tier.REDIS:
+            try:
+                await rt.redis.put(ev.key, payload, csum)
+            except redis.exceptions.RedisError as e:
+                rt.redis.stats.errors += 1
+                return self._failed(rt, ev, "redis", f"{type(e).__name__}: {e}")
+            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
+            rt.directory.set_flag(ev.key, IN_REDIS, True)
+            slot = -1
+        else:
+            entry = self._write_local(rt, dst, ev.key, ev.parent, payload, csum)
+            if entry is None:
+                return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict")
+            slot = entry.slot
+        c = rt.counters.tiers[self.tier.label]
+        if isinstance(ev, Promote):
+            c.promoted_in += 1
+        else:
+            c.demoted_in += 1
+        c.bytes_in += rt.layout.block_bytes
+        self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
+        return Stored(rt.name, ev.key, ev.parent, self.tier, slot, ev.TYPE)
+
+    async def _read_source(self, rt: PoolRuntime, ev: Promote | Demote) -> tuple[np.ndarray, int] | None:
+        if ev.src == Tier.REDIS:
+            try:
+                return await rt.redis.get(ev.key)
+            except redis.exceptions.RedisError as e:
+                rt.redis.stats.errors += 1
+                self.log.warning("tier.redis_read_failed", pool=rt.name, error=f"{type(e).__name__}: {e}")
+                return None
+        src = rt.local(ev.src)
+        if src is None:
+            return None
+        buf = self._buf(rt.layout.block_bytes)
+        csum = src.read(ev.key, buf)
+        return None if csum is None else (buf, csum)
+
+    def _write_local(self, rt: PoolRuntime, dst: LocalTier, key: bytes, parent: bytes | None,
+                     data: np.ndarray, csum: int):
+        entry = dst.write(key, parent, data, csum)
+        if entry is None and (victim := rt.placement.clean_victim(self.tier)) is not None:
+            # Full: drop a block the next tier already holds. Nothing is lost.
+            dst.drop(victim)
+            rt.counters.tiers[self.tier.label].evicted += 1
+            self.log.info("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason="make_room")
+            entry = dst.write(key, parent, data, csum)
+        return entry
+
+    # --- evict ------------------------------------------------------------------------------------
+
+    async def _evict(self, rt: PoolRuntime, ev: Evict) -> Fact | None:
+        c = rt.counters.tiers[self.tier.label]
+        if self.tier == Tier.REDIS:
+            try:
+                await rt.redis.delete(ev.key)
+            except redis.exceptions.RedisError as e:
+                rt.redis.stats.errors += 1
+                raise  # leave the command pending: it is retried, then dead-lettered
+            rt.placement.tiers[Tier.REDIS].remove(ev.key)
+            rt.directory.set_flag(ev.key, IN_REDIS, False)
+            c.evicted += 1
+            return Removed(rt.name, ev.key, self.tier, f"evict:{ev.reason}")
+        local = rt.local(self.tier)
+        if local is None or local.index.get(ev.key) is None:
+            return None  # already gone: a duplicate
+        if ev.key not in rt.placement.tiers[Tier(self.tier + 1)]:
+            # The only copy: refuse rather than lose it. The policy may choose it again later.
+            local.index.clear_leaving(ev.key)
+            c.refused += 1
+            self.log.warning("tier.evict_refused", pool=rt.name, key=ev.key.hex()[:16], reason=ev.reason)
+            return None
+        local.drop(ev.key)
+        c.evicted += 1
+        return Removed(rt.name, ev.key, self.tier, f"evict:{ev.reason}")
+
+    def _failed(self, rt: PoolRuntime, ev, why: str, detail: str, dropped: bool = False) -> Removed:
+        rt.counters.tiers[self.tier.label].failed += 1
+        if dropped:
+            rt.counters.puts_dropped += 1
+        self.log.warning("tier.transfer_failed", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
+                         why=why, detail=detail)
+        return Removed(rt.name, ev.key, self.tier, f"{ev.TYPE}_failed:{why}")
