@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--duration", type=float, default=30.0, help="seconds to run (default 30; Ctrl-C stops early)")
     m.add_argument("--prefixes", type=int, default=24, help="distinct shared system prompts (default 24)")
     m.add_argument("--seed", type=int, default=1)
+    m.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, stats) afterwards")
     m.set_defaults(fn=cmd_demo)
 
     w = sub.add_parser("_demo-worker", help=argparse.SUPPRESS)

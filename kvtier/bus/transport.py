@@ -138,6 +138,7 @@ class Consumer:
         publisher_maxlen: int,
         stats: BusStats,
         log: Any,
+        after_batch: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if not streams or dlq in streams:
             raise ValueError("need at least one stream, and the dlq must not be one of them")
@@ -155,6 +156,9 @@ class Consumer:
         self._group = group
         self._consumer = consumer
         self._handler = handler
+        # Called once per batch, after the handler has seen every entry and before any is acked:
+        # lets a handler buffer its own output (commands, facts) and publish it in one round trip.
+        self._after_batch = after_batch
         self._dlq = dlq
         self._read_count = read_count
         self._block_ms = block_ms
@@ -301,6 +305,15 @@ class Consumer:
                 counts = await self._delivery_counts(stream, entries) if counted else None
                 for entry_id, fields in entries:
                     await self._handle_one(stream, entry_id, fields, counts, done, dead)
+            if self._after_batch is not None:
+                try:
+                    await self._after_batch()
+                except Exception:
+                    # The batch's effects are not complete: ack nothing it handled, so every
+                    # entry comes back (handlers are idempotent). Dead letters stand.
+                    self.stats.handler_errors += 1
+                    self._log.error("bus.after_batch_error", exc_info=True)
+                    acks = {}
         except asyncio.CancelledError:
             # Effects already happened: try (shielded, bounded) to ack them, then keep cancelling.
             with contextlib.suppress(Exception):
@@ -342,6 +355,11 @@ class Consumer:
         self._log.debug("bus.deliver", stream=stream, id=entry_id, type=envelope.event.TYPE)
         try:
             await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=envelope))
+        except MalformedEvent as e:
+            # Well-formed on the wire but meaningless here (an unknown pool, say): retrying
+            # cannot help, so dead-letter it now with the handler's reason.
+            dead.append((stream, entry_id, e.reason, raw))
+            return
         except Exception:
             # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
             self.stats.handler_errors += 1
@@ -385,7 +403,6 @@ class Consumer:
             self._log.warning("bus.dead_letter", stream=stream, id=entry_id, reason=reason)
             acks.setdefault(stream, []).append(entry_id)
         self.stats.dead_lettered += len(dead)
-        dead.clear()  # a second flush (after cancellation) must not write them twice
 
     async def _ack(self, acks: dict[str, list[bytes]]) -> None:
         todo = {stream: ids for stream, ids in acks.items() if ids}
@@ -396,4 +413,3 @@ class Consumer:
                 pipe.xack(stream, self._group, *ids)
             await pipe.execute()
         self.stats.acked += sum(map(len, todo.values()))
-        acks.clear()

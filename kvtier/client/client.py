@@ -76,7 +76,7 @@ class Client:
     # --- connect / close -----------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 16,
+    async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 32,
                       socket_timeout: float = 2.0) -> "Client":
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools."""

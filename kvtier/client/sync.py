@@ -13,7 +13,7 @@ from kvtier.keys import BlockKey
 
 
 class SyncClient:
-    def __init__(self, runtime_dir=None, *, staging_blocks: int = 16, timeout: float = 30.0) -> None:
+    def __init__(self, runtime_dir=None, *, staging_blocks: int = 32, timeout: float = 30.0) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-client", daemon=True)
         self._thread.start()

@@ -102,10 +102,11 @@ class Daemon:
             publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen, self.bus_stats)
             coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log)
             self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
-                                             coordinator.handle)]
+                                             coordinator.handle, coordinator.flush)]
             for t in Tier:
                 worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log)
-                self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle))
+                self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
+                                                     worker.flush))
             self._write_descriptor(url, bus_url, gid)
             await self._serve(stop, embedded, staging)
         finally:
@@ -119,13 +120,13 @@ class Daemon:
                 await embedded.stop()
             self.log.info("daemon.stopped")
 
-    def _consumer(self, bus, streams: list[str], role: str, handler) -> Consumer:
+    def _consumer(self, bus, streams: list[str], role: str, handler, after_batch) -> Consumer:
         b = self.cfg.bus
         return Consumer(
             bus, streams, GROUP, f"{self.cfg.node.id}-{role}", handler,
             dlq=self.names.dlq, read_count=b.read_count, block_ms=b.block_ms, claim_idle_ms=b.claim_idle_ms,
             max_deliveries=b.max_deliveries, publisher_maxlen=b.stream_maxlen, stats=self.bus_stats,
-            log=self.log.bind(worker=role),
+            log=self.log.bind(worker=role), after_batch=after_batch,
         )
 
     async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments) -> None:

@@ -2,7 +2,7 @@
 
 It consumes the node's client stream (access, put, prefetch) and facts stream (stored, removed),
 asks each pool's Placement what to do, and publishes the resulting commands to the tier workers'
-streams in one pipeline. It never touches block bytes.
+streams in one pipeline per batch. It never touches block bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class Coordinator:
         self.publisher = publisher
         self.names = names
         self.log = log.bind(worker="coordinator")
+        self._cmds: list = []
+        self._touched: set[str] = set()
 
     async def handle(self, d: Delivery) -> None:
         ev = d.envelope.event
@@ -48,10 +50,18 @@ class Coordinator:
             cmds = rt.placement.on_fact(ev)
         else:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
-        cmds += rt.placement.pressure()
+        self._cmds.extend(cmds)
+        self._touched.add(rt.name)
+
+    async def flush(self) -> None:
+        """After each batch, before its acks: shed load where needed, publish all commands at once."""
+        for name in self._touched:
+            self._cmds.extend(self.pools[name].placement.pressure())
+        self._touched.clear()
+        cmds, self._cmds = self._cmds, []
         if cmds:
             await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
-            self.log.debug("coordinator.commands", pool=rt.name, cause=ev.TYPE, n=len(cmds))
+            self.log.debug("coordinator.commands", n=len(cmds))
 
     def _put(self, rt: PoolRuntime, ev: Put) -> list:
         rt.counters.puts += len(ev.blocks)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.bus.events import Demote, Evict, Promote, Removed, Stored, Tier
+from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.tiers.index import State, TierIndex
 
 
@@ -40,6 +40,13 @@ class Placement:
         self.pool = pool
         self.tiers = tiers
         self.knobs = knobs
+        # Blocks commanded into a local tier whose outcome fact has not come back yet. Counting
+        # them keeps a burst of puts from over-filling a tier before its worker catches up.
+        self.incoming: dict[Tier, int] = {t: 0 for t in LOCAL}
+
+    def room(self, t: Tier) -> int:
+        idx = self.tiers[t]
+        return max(0, idx.free - self.incoming[t]) if idx.capacity else 0
 
     def where(self, key: bytes) -> Tier | None:
         """The highest tier known to hold `key` as a visible block."""
@@ -52,28 +59,26 @@ class Placement:
         """Where each new block from a client goes: the highest local tier with room left after
         the earlier blocks of the batch, else cpu, whose worker may drop a clean block for it.
         None for a block already here (the put is a duplicate)."""
-        room = {t: self.tiers[t].free if self.tiers[t].capacity else 0 for t in LOCAL}
         out: list[Tier | None] = []
         for key in keys:
             if any(self.tiers[t].get(key) is not None for t in LOCAL):
                 out.append(None)
                 continue
-            tier = next((t for t in LOCAL if room[t] > 0), Tier.CPU)
-            room[tier] -= 1
+            tier = next((t for t in LOCAL if self.room(t) > 0), Tier.CPU)
+            self.incoming[tier] += 1
             out.append(tier)
         return out
 
     def on_access(self, keys: Iterable[bytes]) -> list[Command]:
         out: list[Command] = []
         gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
-        room = gpu.free if gpu.capacity else 0
         for key in keys:
             g = gpu.touch(key)
             c = cpu.touch(key)
-            if (g is None and c is not None and c.state is State.READY and room > 0
+            if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
                     and c.hits >= self.knobs.promote_after_hits):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
-                room -= 1
+                self.incoming[Tier.GPU] += 1
         return out
 
     def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None) -> list[Command]:
@@ -84,13 +89,18 @@ class Placement:
             local = [self.tiers[t].get(key) for t in LOCAL]
             if all(e is None for e in local):
                 out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+                self.incoming[Tier.CPU] += 1
             else:
                 cpu.touch(key)
             parent = key
         return out
 
     def on_fact(self, fact: Stored | Removed) -> list[Command]:
-        """Finish write-backs: once the next tier stored a demoted block, drop it up here."""
+        """Settle the incoming count; finish write-backs: once the next tier stored a demoted
+        block, drop it up here."""
+        cause = fact.cause.split("_failed:")[0]
+        if fact.tier in self.incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
+            self.incoming[fact.tier] = max(0, self.incoming[fact.tier] - 1)
         if isinstance(fact, Stored) and fact.cause == Demote.TYPE and fact.tier != Tier.GPU:
             src = Tier(fact.tier - 1)
             if self.tiers[src].get(fact.key) is not None:
@@ -111,7 +121,7 @@ class Placement:
         idx = self.tiers[t]
         if not idx.capacity:
             return []
-        staying = idx.used - idx.leaving
+        staying = idx.used + self.incoming[t] - idx.leaving
         if staying <= self.knobs.high_watermark * idx.capacity:
             return []
         excess = staying - int(self.knobs.low_watermark * idx.capacity)
@@ -126,6 +136,8 @@ class Placement:
                 out.append(Evict(self.pool, key, t, "clean"))
             else:
                 out.append(Demote(self.pool, key, e.parent, t, lower, e.slot, 0))
+                if lower in self.incoming:
+                    self.incoming[lower] += 1
             idx.mark_leaving(key)  # readable until the worker acts, never picked twice
             excess -= 1
         return out
@@ -134,8 +146,9 @@ class Placement:
         """A block `t` may drop right now to make room: one the next tier already holds."""
         if t == Tier.REDIS:
             return None
-        lower = self.tiers[Tier(t + 1)]
-        for key in self.tiers[t].candidates():
-            if key in lower:
-                return key
+        idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]
+        for e in idx.ready():
+            # A block already leaving for the tier below counts: its pin is ours, not a reader's.
+            if e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower:
+                return e.key
         return None

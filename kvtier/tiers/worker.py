@@ -33,6 +33,7 @@ class TierWorker:
         self.facts_stream = facts_stream
         self.log = log.bind(tier=tier.label)
         self._scratch: dict[int, np.ndarray] = {}
+        self._facts: list[Fact] = []
 
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
@@ -55,7 +56,13 @@ class TierWorker:
         else:
             fact = await self._transfer(rt, ev)
         if fact is not None:
-            await self.publisher.publish(self.facts_stream, fact)
+            self._facts.append(fact)
+
+    async def flush(self) -> None:
+        """After each batch, before its acks: report every outcome in one pipeline."""
+        facts, self._facts = self._facts, []
+        if facts:
+            await self.publisher.publish_many([(self.facts_stream, f) for f in facts])
 
     # --- store: client staging -> this tier ---------------------------------------------------
 

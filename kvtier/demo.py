@@ -1,0 +1,228 @@
+"""`kvtier demo`: a daemon on the embedded Redis plus client processes whose prompts share prefixes.
+
+Every block's bytes are a pure function of its key, so each client checks every block it reads:
+the closing summary reports wrong bytes, which must be zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
+
+READY_TIMEOUT_S = 30.0
+
+
+def expected_block(key: bytes, nbytes: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(nbytes), dtype=np.uint8)
+
+
+def shared_prompts(n: int, seed: int = 1234) -> list[list[int]]:
+    """The system prompts every client shares: 8 to 24 blocks of token ids up to 128k."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128_000, size=16 * int(rng.integers(8, 25))).tolist() for _ in range(n)]
+
+
+# --- the client process ------------------------------------------------------------------------
+
+
+def worker_main(args) -> int:
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    report = asyncio.run(_worker(args, stop))
+    Path(args.report).write_text(json.dumps(report))
+    return 0
+
+
+async def _worker(args, stop: dict) -> dict:
+    import torch
+
+    from kvtier.client import Client
+
+    from kvtier.logs import configure_logging
+
+    configure_logging("warning", "json")  # the orchestrator prints progress; keep the console for it
+    client = await Client.connect(args.runtime_dir, staging_blocks=64)
+    pool = client.pool(args.pool)
+    bb = pool.block_bytes
+    prompts = shared_prompts(args.prefixes)
+    rng = np.random.default_rng(args.seed)
+    weights = 1.0 / np.arange(1, len(prompts) + 1) ** 1.1  # zipf: a few prompts are hot
+    weights /= weights.sum()
+    r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, wrong_blocks=0, put_staged=0, put_dropped=0,
+             gpu_reads=0, cpu_reads=0)
+    max_blocks = max(len(p) for p in prompts) // 16 + 4
+    out = torch.empty((max_blocks, *pool.shape), dtype=pool.dtype)
+    try:
+        while not stop["now"]:
+            tokens = prompts[rng.choice(len(prompts), p=weights)] + rng.integers(0, 128_000, 16 * int(rng.integers(1, 5))).tolist()
+            keys = client.block_keys(args.pool, tokens, salt=b"demo")
+            found = await client.locate(args.pool, keys)
+            if found.redis_length:
+                # Pull the rest of the prefix up from Redis before reading it.
+                head = keys[found.length - 1] if found.length else None
+                more = keys[found.length : found.length + found.redis_length]
+                await client.prefetch(args.pool, more, parent=head)
+                await client.wait_resident(args.pool, keys[: found.length + len(more)], timeout=1.0)
+                r["redis_hits"] += len(more)
+            hit = client.lookup(args.pool, keys)
+            n = await client.get(args.pool, keys, out)
+            for i in range(n):
+                if not np.array_equal(out[i].view(torch.uint8).reshape(-1).numpy(), expected_block(keys[i], bb)):
+                    r["wrong_blocks"] += 1
+            r["gpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "gpu")
+            r["cpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "cpu")
+            r["requests"] += 1
+            r["blocks"] += len(keys)
+            r["local_hits"] += n
+            if n < len(keys):  # "prefill" the rest and hand it to the daemon
+                fresh = np.stack([expected_block(k, bb) for k in keys[n:]])
+                kv = torch.from_numpy(fresh).view(pool.dtype).reshape(len(keys) - n, *pool.shape)
+                res = await client.put(args.pool, keys[n:], kv, parent=keys[n - 1] if n else None)
+                r["put_staged"] += res.staged
+                r["put_dropped"] += res.dropped
+            await asyncio.sleep(0.02)  # think time; also leaves the 2-core machine to the daemon
+    finally:
+        await client.close()
+    return r
+
+
+# --- the orchestrator ----------------------------------------------------------------------------
+
+
+def _wait_ready(sock: socket.socket, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvtier demo: the daemon exited with {proc.returncode} before READY")
+        sock.settimeout(0.2)
+        try:
+            if b"READY=1" in sock.recv(4096):
+                return
+        except TimeoutError:
+            continue
+    raise SystemExit("kvtier demo: the daemon did not report READY in time")
+
+
+def _progress(stats: dict, t0: float) -> str:
+    parts = [f"t={time.monotonic() - t0:5.1f}s"]
+    for name, pool in stats.get("pools", {}).items():
+        for tier in ("gpu", "cpu", "redis"):
+            t = pool["tiers"][tier]
+            cap = f"/{t['capacity']}" if t["capacity"] else ""
+            parts.append(f"{tier} {t['blocks']}{cap} blk hit {t['hits']} up {t['promoted_in']} down {t['demoted_in']} ev {t['evicted']}")
+        parts.append(f"miss {pool['misses']}")
+    return " | ".join(parts)
+
+
+def run_demo(args) -> int:
+    rdir = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
+    env = dict(os.environ)
+    env.update({
+        "KVTIER__NODE__RUNTIME_DIR": str(rdir),
+        "KVTIER__NODE__ID": f"demo-{os.getpid()}",
+        "KVTIER__DAEMON__PERSIST_ARENA": "false",
+        "KVTIER__LOG__FORMAT": "json",
+        "NOTIFY_SOCKET": str(rdir / "notify.sock"),
+    })
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(rdir / "notify.sock"))
+    cmd = [sys.executable, "-m", "kvtier.cli", "daemon"] + (["--config", args.config] if args.config else [])
+    log_path = rdir / "daemon.log"
+    print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path})", flush=True)
+    daemon = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)  # Ctrl-C reaches the daemon only through us
+    workers: list[subprocess.Popen] = []
+    code = 0
+    try:
+        _wait_ready(notify, daemon)
+        pool = sorted(read_json(rdir / DESCRIPTOR)["pools"])[0]
+        print(f"kvtier demo: daemon ready; {args.clients} clients on pool {pool!r} for {args.duration:.0f}s "
+              "(Ctrl-C stops)", flush=True)
+        for i in range(args.clients):
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir", str(rdir), "--pool", pool,
+                 "--prefixes", str(args.prefixes), "--seed", str(args.seed * 1000 + i),
+                 "--report", str(rdir / f"client-{i}.json")], env=env, start_new_session=True))
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < args.duration:
+                time.sleep(1.0)
+                if daemon.poll() is not None:
+                    print(f"kvtier demo: the daemon exited with {daemon.returncode}; see {log_path}", flush=True)
+                    code = 1
+                    break
+                try:
+                    print(_progress(read_json(rdir / STATS), t0), flush=True)
+                except (OSError, ValueError):
+                    pass
+        except KeyboardInterrupt:
+            print("\nkvtier demo: stopping", flush=True)
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            try:
+                w.wait(15)
+            except subprocess.TimeoutExpired:
+                w.kill()
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        notify.close()
+    code = code or (daemon.returncode or 0)
+    code = _summary(rdir, len(workers)) or code
+    if args.keep:
+        print(f"kvtier demo: kept {rdir} (daemon.log, stats.json, client reports)")
+    else:
+        shutil.rmtree(rdir, ignore_errors=True)
+    return code
+
+
+def _summary(rdir: Path, n_workers: int) -> int:
+    try:
+        stats = read_json(rdir / STATS)
+    except (OSError, ValueError):
+        print("kvtier demo: no final stats were written")
+        return 1
+    reports = []
+    for i in range(n_workers):
+        try:
+            reports.append(json.loads((rdir / f"client-{i}.json").read_text()))
+        except (OSError, ValueError):
+            print(f"kvtier demo: client {i} wrote no report")
+    tot = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
+    print("\n=== kvtier demo summary ===")
+    for name, pool in stats["pools"].items():
+        print(f"pool {name}: block {pool['block_bytes']} B, puts {pool['puts']}, dropped {pool['puts_dropped']}, "
+              f"misses {pool['misses']}")
+        print(f"  {'tier':<6}{'blocks':>8}{'MiB':>8}{'hits':>8}{'stored':>8}{'promoted':>10}{'demoted':>9}{'evicted':>9}{'failed':>8}")
+        for tier in ("gpu", "cpu", "redis"):
+            t = pool["tiers"][tier]
+            print(f"  {tier:<6}{t['blocks']:>8}{t['bytes'] / 2**20:>8.1f}{t['hits']:>8}{t['stored']:>8}"
+                  f"{t['promoted_in']:>10}{t['demoted_in']:>9}{t['evicted']:>9}{t['failed']:>8}")
+    if tot:
+        rate = tot["local_hits"] / max(1, tot["blocks"])
+        print(f"clients: {tot['requests']} requests, {tot['blocks']} blocks wanted, {tot['local_hits']} read from "
+              f"shared memory ({rate:.0%}; gpu {tot['gpu_reads']}, cpu {tot['cpu_reads']}), {tot['redis_hits']} "
+              f"pulled from Redis, {tot['put_staged']} put, {tot['put_dropped']} put dropped")
+        print(f"wrong blocks read: {tot['wrong_blocks']}")
+    bad = bool(tot.get("wrong_blocks"))
+    return 1 if bad or not reports else 0
