@@ -112,6 +112,7 @@ class PolicyConfig:
     high_watermark: float = setting(number(gt=0, le=1), 0.9)
     low_watermark: float = setting(number(gt=0, le=1), 0.75)
     promote_after_hits: int = setting(integer(1), 2)
+    prefetch_lease_s: float = setting(number(gt=0), 5.0)
 
 
 @dataclass(frozen=True, slots=True)

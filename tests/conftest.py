@@ -30,3 +30,27 @@ def redis_url(redis_server: RedisProcess) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture
+def daemon_factory(tmp_path, redis_url):
+    """Start real daemons on the session's Redis; every one is stopped (or killed) at teardown."""
+    from tests.support.daemon_proc import DaemonProcess, write_config
+
+    started: list[DaemonProcess] = []
+    counter = iter(range(1000))
+
+    def make(node: str | None = None, start: bool = True, **kw) -> DaemonProcess:
+        node = node or f"n{next(counter)}-{tmp_path.name[-12:]}".replace("_", "-")
+        cfg = write_config(tmp_path, node=node, redis_url=kw.pop("redis_url", redis_url), **kw)
+        d = DaemonProcess(cfg, tmp_path / f"rt-{node}")
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in started:
+        if d.alive:
+            try:
+                d.stop(10)
+            except Exception:
+                d.kill()

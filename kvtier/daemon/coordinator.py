@@ -7,6 +7,8 @@ streams in one pipeline per batch. It never touches block bytes.
 
 from __future__ import annotations
 
+import time
+
 from kvtier.bus.events import Access, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import Delivery
@@ -45,7 +47,7 @@ class Coordinator:
             rt.counters.misses += ev.missed
             cmds = rt.placement.on_access(ev.keys)
         elif isinstance(ev, Prefetch):
-            cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent)
+            cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent, time.monotonic())
         elif isinstance(ev, (Stored, Removed)):
             cmds = rt.placement.on_fact(ev)
         else:
@@ -56,7 +58,7 @@ class Coordinator:
     async def flush(self) -> None:
         """After each batch, before its acks: shed load where needed, publish all commands at once."""
         for name in self._touched:
-            self._cmds.extend(self.pools[name].placement.pressure())
+            self._cmds.extend(self.pools[name].placement.pressure(time.monotonic()))
         self._touched.clear()
         cmds, self._cmds = self._cmds, []
         if cmds:

@@ -4,13 +4,16 @@ It imports neither asyncio, redis nor torch. The coordinator calls it after each
 events and tier facts and publishes what it returns; the tier workers carry the commands out.
 
 Rules (config `[policy]`):
-- A put lands in the highest local tier with a free slot (gpu, then cpu). With none free it goes
-  to cpu, whose worker drops a clean block (one Redis holds) for it, or else drops the put.
+- A put lands in the highest local tier with room (gpu, then cpu); with no local room it is
+  written to Redis, so a burst of puts is not dropped while write-backs catch up.
 - Above `high_watermark` of its slots, a tier sheds its coldest evictable blocks down to
   `low_watermark`: a block the next tier already holds is evicted at once; any other is demoted
   (write-back) and stays readable, pinned, until the next tier reports it stored.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
-- A prefetch promotes the blocks that are not local from Redis into cpu.
+- A prefetch promotes the blocks that are not local from Redis into cpu, and leases them for
+  `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
+  prefetch into a full tier is not undone before the client gets to read it.
+Time is passed in (`now`), never read here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class PolicyKnobs:
     high_watermark: float = 0.9
     low_watermark: float = 0.75
     promote_after_hits: int = 2
+    prefetch_lease_s: float = 5.0
 
 
 Command = Promote | Demote | Evict
@@ -43,6 +47,7 @@ class Placement:
         # Blocks commanded into a local tier whose outcome fact has not come back yet. Counting
         # them keeps a burst of puts from over-filling a tier before its worker catches up.
         self.incoming: dict[Tier, int] = {t: 0 for t in LOCAL}
+        self._leases: dict[bytes, float] = {}  # prefetched key -> lease expiry
 
     def room(self, t: Tier) -> int:
         idx = self.tiers[t]
@@ -56,16 +61,17 @@ class Placement:
         return None
 
     def admit(self, keys: Sequence[bytes]) -> list[Tier | None]:
-        """Where each new block from a client goes: the highest local tier with room left after
-        the earlier blocks of the batch, else cpu, whose worker may drop a clean block for it.
+        """Where each new block from a client goes: the highest local tier with room (counting
+        blocks already on their way in), else straight to Redis rather than dropping it.
         None for a block already here (the put is a duplicate)."""
         out: list[Tier | None] = []
         for key in keys:
             if any(self.tiers[t].get(key) is not None for t in LOCAL):
                 out.append(None)
                 continue
-            tier = next((t for t in LOCAL if self.room(t) > 0), Tier.CPU)
-            self.incoming[tier] += 1
+            tier = next((t for t in LOCAL if self.room(t) > 0), Tier.REDIS)
+            if tier in self.incoming:
+                self.incoming[tier] += 1
             out.append(tier)
         return out
 
@@ -73,6 +79,7 @@ class Placement:
         out: list[Command] = []
         gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
         for key in keys:
+            self._leases.pop(key, None)  # read: the lease has served its purpose
             g = gpu.touch(key)
             c = cpu.touch(key)
             if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
@@ -81,8 +88,9 @@ class Placement:
                 self.incoming[Tier.GPU] += 1
         return out
 
-    def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None) -> list[Command]:
+    def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None, now: float) -> list[Command]:
         out: list[Command] = []
+        expiry = now + self.knobs.prefetch_lease_s
         cpu = self.tiers[Tier.CPU]
         parent = head_parent
         for key in keys:
@@ -92,6 +100,7 @@ class Placement:
                 self.incoming[Tier.CPU] += 1
             else:
                 cpu.touch(key)
+            self._leases[key] = expiry
             parent = key
         return out
 
@@ -110,12 +119,17 @@ class Placement:
             self.tiers[Tier(fact.tier - 1)].clear_leaving(fact.key)
         return []
 
-    def pressure(self) -> list[Command]:
+    def pressure(self, now: float) -> list[Command]:
         """Shed blocks from every local tier above its high watermark."""
+        self._expire(now)
         out: list[Command] = []
         for t in LOCAL:
             out.extend(self._shed(t))
         return out
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, until in self._leases.items() if until <= now]:
+            del self._leases[key]
 
     def _shed(self, t: Tier) -> list[Command]:
         idx = self.tiers[t]
@@ -130,6 +144,8 @@ class Placement:
         for key in list(idx.candidates()):
             if excess <= 0:
                 break
+            if key in self._leases:
+                continue
             e = idx.get(key)
             assert e is not None
             if key in self.tiers[lower]:
@@ -149,6 +165,7 @@ class Placement:
         idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]
         for e in idx.ready():
             # A block already leaving for the tier below counts: its pin is ours, not a reader's.
-            if e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower:
+            if (e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower
+                    and e.key not in self._leases):
                 return e.key
         return None

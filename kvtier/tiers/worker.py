@@ -68,7 +68,7 @@ class TierWorker:
 
     async def _store(self, rt: PoolRuntime, ev: Store) -> Fact:
         dst = rt.local(self.tier)
-        if dst is None:
+        if dst is None and self.tier != Tier.REDIS:
             raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
         bb = rt.layout.block_bytes
         try:
@@ -77,9 +77,10 @@ class TierWorker:
                 raise SegmentError(f"slot {ev.slot} outside staging of {staging.n} slots")
         except SegmentError as e:
             return self._failed(rt, ev, "bad_staging", str(e), dropped=True)
-        if dst.index.get(ev.key) is not None:  # duplicate delivery, or another client put it first
+        held = rt.placement.tiers[self.tier].get(ev.key)
+        if held is not None:  # duplicate delivery, or another client put it first
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
-            return Stored(rt.name, ev.key, ev.parent, self.tier, dst.index.get(ev.key).slot, Store.TYPE)
+            return Stored(rt.name, ev.key, ev.parent, self.tier, held.slot, Store.TYPE)
         buf = self._buf(bb)
         csum = None
         if staging.gen(ev.slot) == ev.gen:
@@ -87,14 +88,34 @@ class TierWorker:
         if csum is None:
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return self._failed(rt, ev, "verify", "staging slot changed or failed its checksum", dropped=True)
-        entry = self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
-        self.staging.release(ev.segment, bb, ev.slot, ev.gen)
-        if entry is None:
-            return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
+        if self.tier == Tier.REDIS:  # no local room: write the block through to Redis
+            failed = await self._redis_put(rt, ev, buf, csum)
+            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
+            if failed is not None:
+                rt.counters.puts_dropped += 1
+                return failed
+            slot = -1
+        else:
+            entry = self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
+            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
+            if entry is None:
+                return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
+            slot = entry.slot
         c = rt.counters.tiers[self.tier.label]
         c.stored += 1
         c.bytes_in += bb
-        return Stored(rt.name, ev.key, ev.parent, self.tier, entry.slot, Store.TYPE)
+        return Stored(rt.name, ev.key, ev.parent, self.tier, slot, Store.TYPE)
+
+    async def _redis_put(self, rt: PoolRuntime, ev, payload: np.ndarray, csum: int) -> Removed | None:
+        """Write to Redis and record it; a Removed failure fact if Redis refused."""
+        try:
+            await rt.redis.put(ev.key, payload, csum)
+        except redis.exceptions.RedisError as e:
+            rt.redis.stats.errors += 1
+            return self._failed(rt, ev, "redis", f"{type(e).__name__}: {e}")
+        rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
+        rt.directory.set_flag(ev.key, IN_REDIS, True)
+        return None
 
     # --- promote / demote: another tier -> this tier -------------------------------------------
 
@@ -110,13 +131,8 @@ class TierWorker:
             return self._failed(rt, ev, "source_miss", f"{ev.src.label} no longer holds a valid copy")
         payload, csum = got
         if self.tier == Tier.REDIS:
-            try:
-                await rt.redis.put(ev.key, payload, csum)
-            except redis.exceptions.RedisError as e:
-                rt.redis.stats.errors += 1
-                return self._failed(rt, ev, "redis", f"{type(e).__name__}: {e}")
-            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
-            rt.directory.set_flag(ev.key, IN_REDIS, True)
+            if (failed := await self._redis_put(rt, ev, payload, csum)) is not None:
+                return failed
             slot = -1
         else:
             entry = self._write_local(rt, dst, ev.key, ev.parent, payload, csum)

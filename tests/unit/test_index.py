@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -190,7 +192,7 @@ class IndexMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.idx = TierIndex(CAPACITY)
-        self.model: dict[bytes, dict] = {}  # key -> {"parent", "pins", "ready"}
+        self.model: dict[bytes, dict] = {}  # key -> {"parent", "pins", "ready", "leaving"}
         self.lru: list[bytes] = []  # READY keys, coldest first
         self.counter = 0
 
@@ -211,7 +213,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert e is None
             return key
         assert e is not None and e.state is State.PENDING
-        self.model[key] = {"parent": p, "pins": 0, "ready": False}
+        self.model[key] = {"parent": p, "pins": 0, "ready": False, "leaving": False}
         if commit:
             self.commit(key)
         return key
@@ -251,9 +253,28 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def unpin(self, key: bytes) -> None:
-        self.idx.unpin(key)
-        if key in self.model and self.model[key]["pins"]:
-            self.model[key]["pins"] -= 1
+        """Readers unpin only what they pinned (a leaving pin is not theirs to drop)."""
+        m = self.model.get(key)
+        if m is None or m["pins"] - m["leaving"] > 0:
+            self.idx.unpin(key)
+            if m is not None:
+                m["pins"] -= 1
+
+    @rule(key=keys)
+    def mark_leaving(self, key: bytes) -> None:
+        m = self.model.get(key)
+        assert self.idx.mark_leaving(key) == (m is not None and not m["leaving"])
+        if m is not None and not m["leaving"]:
+            m["leaving"] = True
+            m["pins"] += 1
+
+    @rule(key=keys)
+    def clear_leaving(self, key: bytes) -> None:
+        self.idx.clear_leaving(key)
+        m = self.model.get(key)
+        if m is not None and m["leaving"]:
+            m["leaving"] = False
+            m["pins"] -= 1
 
     @invariant()
     def matches_model(self) -> None:
@@ -266,8 +287,13 @@ class IndexMachine(RuleBasedStateMachine):
         assert [e.key for e in idx.ready()] == self.lru
         for key, m in self.model.items():
             e = idx.get(key)
-            assert e.pins == m["pins"] and (e.state is State.READY) == m["ready"] and (key in idx) == m["ready"]
-        with_kids = {m["parent"] for m in self.model.values() if m["ready"] and m["parent"] is not None}
+            assert e.pins == m["pins"] >= 0 and e.leaving == m["leaving"]
+            assert (e.state is State.READY) == m["ready"] and (key in idx) == m["ready"]
+        assert idx.leaving == sum(m["leaving"] for m in self.model.values())
+        kids = Counter(m["parent"] for m in self.model.values() if m["ready"] and m["parent"] is not None)
+        for key in set(kids) | set(self.model) | {k(i) for i in range(900, 904)}:
+            assert idx.children(key) == kids[key]
+        with_kids = set(kids)
         expected = [key for key in self.lru if self.model[key]["pins"] == 0 and key not in with_kids]
         assert list(idx.candidates()) == expected
         for key in idx.candidates():

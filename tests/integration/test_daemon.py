@@ -1,0 +1,153 @@
+"""Through a running `kvtier daemon` process: put, lookup, get; demote to Redis and promote back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from kvtier.bus.events import Tier
+from kvtier.client import Client
+from kvtier.tiers.redis_blocks import redis_block_key, unpack_block
+from tests.support.waiting import async_wait_until
+
+pytestmark = pytest.mark.integration
+SHAPE = (2, 2, 2, 16, 32)  # the test pool's block shape (8 KiB of float16)
+
+
+def make_kv(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-30000, 30000, (n, *SHAPE), generator=g, dtype=torch.int16).view(torch.float16)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def shm_segments(node: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"kvtier.{node}."))
+
+
+async def stored_somewhere(client: Client, keys) -> bool:
+    """Every key is resident locally or in Redis (a put lands in Redis when no local tier has room)."""
+    for k in keys:
+        found = await client.locate("t", [k])
+        if found.length + found.redis_length == 0:
+            return False
+    return True
+
+
+async def put_chain(client: Client, keys, kv) -> None:
+    """Put a chain and wait until the daemon has stored all of it."""
+    res = await client.put("t", keys, kv)
+    assert res.dropped == 0
+    await async_wait_until(lambda: stored_somewhere(client, keys), timeout=10, message="put stored")
+
+
+async def test_put_lookup_get_is_byte_exact(daemon_factory):
+    d = daemon_factory()
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(300, 300 + 16 * 6)), salt=b"tenant-a")
+        assert len(keys) == 6
+        kv = make_kv(6, seed=1)
+        res = await client.put("t", keys, kv)
+        assert (res.staged, res.dropped) == (6, 0)
+        assert await client.wait_resident("t", keys, timeout=10)
+        hit = client.lookup("t", keys)
+        assert hit.length == 6 and set(hit.tiers) <= {Tier.GPU, Tier.CPU}
+
+        extra = client.block_keys("t", list(range(300, 300 + 16 * 8)), salt=b"tenant-a")  # 2 unknown blocks
+        out = torch.full((8, *SHAPE), 7.0, dtype=torch.float16)
+        assert await client.get("t", extra, out) == 6
+        assert same_bytes(out[:6], kv)
+        assert torch.all(out[6:] == 7.0), "blocks past the hit prefix must be left untouched"
+
+        other_salt = client.block_keys("t", list(range(300, 300 + 16 * 6)), salt=b"tenant-b")
+        assert client.lookup("t", other_salt).length == 0, "another salt must never hit"
+
+    await async_wait_until(lambda: d.pool_stats().get("tiers", {}).get("gpu", {}).get("hits", 0) >= 6,
+                           message="the daemon counted the reads as hits")
+    assert d.pool_stats()["misses"] >= 2
+    assert d.stop() == 0
+    assert shm_segments(d.config.stem) == [], "a clean stop with persist_arena=false leaves no segments"
+
+
+async def test_demote_to_redis_and_promote_back(daemon_factory, redis_server):
+    d = daemon_factory(gpu=4, cpu=8)
+    r = redis_server.client()
+    async with await Client.connect(d.runtime_dir) as client:
+        chains = [client.block_keys("t", [c * 1000 + i for i in range(64)], salt=b"s") for c in range(8)]
+        kvs = [make_kv(4, seed=10 + c) for c in range(8)]
+        for keys, kv in zip(chains, kvs):
+            await put_chain(client, keys, kv)
+        # 32 blocks into 12 local slots: the oldest chains must have been written back to Redis.
+        await async_wait_until(lambda: all(r.exists(redis_block_key("t", k)) for k in chains[0]),
+                               timeout=15, message="chain 0 demoted to redis")
+        await async_wait_until(lambda: client.lookup("t", chains[0]).length == 0, timeout=15,
+                               message="chain 0 gone from the local tiers")
+        raw = r.get(redis_block_key("t", chains[0][0]))
+        payload, _ = unpack_block(raw, client.pool("t").fingerprint, chains[0][0], client.pool("t").block_bytes)
+        assert bytes(payload) == bytes(kvs[0][0].contiguous().view(torch.uint8).reshape(-1).numpy())
+
+        found = await client.locate("t", chains[0])
+        assert (found.length, found.redis_length) == (0, 4)
+        await client.prefetch("t", chains[0])
+        assert await client.wait_resident("t", chains[0], timeout=10)
+        out = torch.empty((4, *SHAPE), dtype=torch.float16)
+        assert await client.get("t", chains[0], out) == 4
+        assert same_bytes(out, kvs[0])
+    assert d.stop() == 0  # the final stats are written on the way out
+    s = d.pool_stats()
+    assert s["tiers"]["redis"]["demoted_in"] >= 4
+    assert s["tiers"]["cpu"]["promoted_in"] >= 4
+    assert s["tiers"]["cpu"]["demoted_in"] >= 1 and s["tiers"]["gpu"]["evicted"] >= 1
+    r.close()
+
+
+async def test_two_daemons_share_blocks_through_redis(daemon_factory):
+    a = daemon_factory(node="node-a", gpu=4, cpu=8)
+    b = daemon_factory(node="node-b", gpu=4, cpu=8)
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        chains = [ca.block_keys("t", [c * 7919 + i for i in range(64)], salt=b"x") for c in range(8)]
+        kvs = [make_kv(4, seed=100 + c) for c in range(8)]
+        for keys, kv in zip(chains, kvs):
+            await put_chain(ca, keys, kv)
+        assert cb.block_keys("t", [i for i in range(64)], salt=b"x") == ca.block_keys("t", list(range(64)), salt=b"x")
+        await async_wait_until(lambda: ca.lookup("t", chains[0]).length == 0, timeout=15,
+                               message="node A demoted chain 0 out of its local tiers")
+        assert cb.lookup("t", chains[0]).length == 0
+        found = await cb.locate("t", chains[0])
+        assert found.redis_length == 4, "node B sees node A's blocks in Redis"
+        await cb.prefetch("t", chains[0])
+        assert await cb.wait_resident("t", chains[0], timeout=10)
+        out = torch.empty((4, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", chains[0], out) == 4
+        assert same_bytes(out, kvs[0])
+    assert b.stop() == 0
+    assert b.pool_stats()["tiers"]["cpu"]["promoted_in"] >= 4
+
+
+async def test_warm_restart_keeps_the_cpu_arena(daemon_factory):
+    d = daemon_factory(node="warm", gpu=0, cpu=16, persist_arena=True)
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(16 * 5)), salt=b"w")
+        kv = make_kv(5, seed=5)
+        await client.put("t", keys, kv)
+        assert await client.wait_resident("t", keys, timeout=10)
+    assert d.stop() == 0
+    assert "kvtier.warm.t.cpu" in shm_segments("warm"), "persist_arena keeps the cpu arena"
+    d.start()
+    try:
+        async with await Client.connect(d.runtime_dir) as client:
+            assert client.lookup("t", keys).length == 5
+            out = torch.empty((5, *SHAPE), dtype=torch.float16)
+            assert await client.get("t", keys, out) == 5
+            assert same_bytes(out, kv)
+    finally:
+        d.stop()
+        os.unlink("/dev/shm/kvtier.warm.t.cpu")
+    assert "reattached" in d.log_tail(20000)
