@@ -9,6 +9,7 @@ from kvtier.tiers.index import TierIndex
 from kvtier.tiers.policy import Placement, PolicyKnobs
 
 POOL = "llama-8b"
+NOW = 1000.0  # the policy never reads the clock; tests pass time in
 
 
 def k(i: int) -> bytes:
@@ -89,7 +90,7 @@ def test_no_pressure_at_or_below_high_watermark() -> None:
     p = placement(gpu=10, cpu=10)
     put(p, Tier.GPU, range(9))
     put(p, Tier.CPU, range(100, 109))
-    assert p.pressure() == []
+    assert p.pressure(NOW) == []
 
 
 def test_pressure_demotes_or_evicts_coldest_down_to_low_watermark() -> None:
@@ -97,7 +98,7 @@ def test_pressure_demotes_or_evicts_coldest_down_to_low_watermark() -> None:
     put(p, Tier.GPU, range(10))
     put(p, Tier.CPU, [1])  # k(1) already has a cpu copy
     p.tiers[Tier.GPU].touch(k(0))  # k(0) becomes the hottest
-    cmds = p.pressure()
+    cmds = p.pressure(NOW)
     # staying 10 > 9 -> shed down to int(0.75 * 10) = 7: three blocks, coldest first.
     assert cmds == [
         Evict(POOL, k(1), Tier.GPU, "clean"),
@@ -107,31 +108,31 @@ def test_pressure_demotes_or_evicts_coldest_down_to_low_watermark() -> None:
     gpu = p.tiers[Tier.GPU]
     assert gpu.leaving == 3 and all(gpu.get(k(i)).leaving for i in (1, 2, 3))
     assert all(k(i) in gpu for i in (1, 2, 3))  # still readable while leaving
-    assert p.pressure() == []  # 10 - 3 leaving = 7 staying
+    assert p.pressure(NOW) == []  # 10 - 3 leaving = 7 staying
 
 
 def test_demote_carries_parent_and_cpu_sheds_to_redis() -> None:
     p = placement(gpu=10, cpu=4)
     put(p, Tier.CPU, [1, 2, 3, 4], chain=True)
     put(p, Tier.REDIS, [4])
-    assert p.pressure() == [Evict(POOL, k(4), Tier.CPU, "clean")]
+    assert p.pressure(NOW) == [Evict(POOL, k(4), Tier.CPU, "clean")]
     p2 = placement(gpu=10, cpu=4)
     put(p2, Tier.CPU, [1, 2, 3, 4], chain=True)
     slot = p2.tiers[Tier.CPU].get(k(4)).slot
-    assert p2.pressure() == [Demote(POOL, k(4), k(3), Tier.CPU, Tier.REDIS, slot, 0)]
+    assert p2.pressure(NOW) == [Demote(POOL, k(4), k(3), Tier.CPU, Tier.REDIS, slot, 0)]
 
 
 def test_pressure_never_chooses_pinned_or_non_leaf_blocks() -> None:
     p = placement(gpu=10)
     put(p, Tier.GPU, range(10), chain=True)
-    cmds = p.pressure()
+    cmds = p.pressure(NOW)
     assert [c.key for c in cmds] == [k(9)]  # only the chain's tail may leave
-    assert p.pressure() == []  # k(8) still has a resident (leaving) child; nothing else qualifies
+    assert p.pressure(NOW) == []  # k(8) still has a resident (leaving) child; nothing else qualifies
     q = placement(gpu=10)
     put(q, Tier.GPU, range(10))
     for i in range(9):
         q.tiers[Tier.GPU].pin(k(i))
-    assert [c.key for c in q.pressure()] == [k(9)]
+    assert [c.key for c in q.pressure(NOW)] == [k(9)]
 
 
 def test_second_call_does_not_rechoose_leaving_blocks() -> None:
@@ -140,22 +141,22 @@ def test_second_call_does_not_rechoose_leaving_blocks() -> None:
     put(p, Tier.GPU, range(10))
     for i in range(3, 10):
         gpu.pin(k(i))
-    first = p.pressure()
+    first = p.pressure(NOW)
     assert [c.key for c in first] == [k(0), k(1), k(2)]  # wanted 6, only 3 were eligible
     for i in range(3, 10):
         gpu.unpin(k(i))
-    second = p.pressure()
+    second = p.pressure(NOW)
     # staying 7 > 5 -> shed to 4: three more, none of the first three.
     assert [c.key for c in second] == [k(3), k(4), k(5)]
     assert gpu.leaving == 6
-    assert p.pressure() == []
+    assert p.pressure(NOW) == []
 
 
 def test_demotes_on_their_way_down_count_toward_the_next_tier_pressure() -> None:
     p = placement(gpu=10, cpu=10)
     put(p, Tier.GPU, range(10))
     put(p, Tier.CPU, range(100, 108))  # 8 of 10: below the high watermark on its own
-    cmds = p.pressure()
+    cmds = p.pressure(NOW)
     gpu_cmds = [c for c in cmds if isinstance(c, Demote) and c.src == Tier.GPU]
     cpu_cmds = [c for c in cmds if isinstance(c, Demote) and c.src == Tier.CPU]
     assert len(cmds) == 7 and [c.key for c in gpu_cmds] == [k(0), k(1), k(2)]
@@ -184,7 +185,7 @@ def test_failed_demote_clears_leaving_so_the_block_can_be_chosen_again() -> None
     p = placement(gpu=10, high_watermark=0.75, low_watermark=0.7)
     gpu = p.tiers[Tier.GPU]
     put(p, Tier.GPU, range(10))
-    assert [c.key for c in p.pressure()] == [k(0), k(1), k(2)]  # 10 -> 7
+    assert [c.key for c in p.pressure(NOW)] == [k(0), k(1), k(2)]  # 10 -> 7
     assert p.on_fact(Removed(POOL, k(0), Tier.CPU, "evict:clean")) == []
     assert gpu.get(k(0)).leaving  # an unrelated removal changes nothing
     assert p.on_fact(Removed(POOL, k(0), Tier.GPU, "demote_failed:no_room")) == []
@@ -192,7 +193,7 @@ def test_failed_demote_clears_leaving_so_the_block_can_be_chosen_again() -> None
     assert p.on_fact(Removed(POOL, k(0), Tier.CPU, "demote_failed:no_room")) == []
     e = gpu.get(k(0))
     assert not e.leaving and e.pins == 0 and gpu.leaving == 2
-    assert [c.key for c in p.pressure()] == [k(0)]  # 8 staying > 7.5: chosen again, and only it
+    assert [c.key for c in p.pressure(NOW)] == [k(0)]  # 8 staying > 7.5: chosen again, and only it
 
 
 # --- access and prefetch -------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def test_prefetch_promotes_only_non_local_keys_from_redis_with_chain_parents() -
     put(p, Tier.CPU, [1])
     put(p, Tier.GPU, [2])
     put(p, Tier.REDIS, [3, 4])
-    cmds = p.on_prefetch([k(1), k(2), k(3), k(4), k(5)], head_parent=k(0))
+    cmds = p.on_prefetch([k(1), k(2), k(3), k(4), k(5)], head_parent=k(0), now=NOW)
     assert cmds == [
         Promote(POOL, k(3), k(2), Tier.REDIS, Tier.CPU, -1, 0),
         Promote(POOL, k(4), k(3), Tier.REDIS, Tier.CPU, -1, 0),
@@ -247,9 +248,33 @@ def test_prefetch_promotes_only_non_local_keys_from_redis_with_chain_parents() -
 @pytest.mark.parametrize("head_parent", [None, k(50)])
 def test_prefetch_first_key_gets_head_parent(head_parent: bytes | None) -> None:
     p = placement()
-    cmds = p.on_prefetch([k(7), k(8)], head_parent=head_parent)
+    cmds = p.on_prefetch([k(7), k(8)], head_parent=head_parent, now=NOW)
     assert [(c.key, c.parent) for c in cmds] == [(k(7), head_parent), (k(8), k(7))]
     assert all(isinstance(c, Promote) and c.src == Tier.REDIS and c.dst == Tier.CPU for c in cmds)
+
+
+def test_prefetch_leases_keep_blocks_from_being_shed_until_read_or_expired() -> None:
+    p = placement(cpu=10, prefetch_lease_s=5.0)
+    cpu = p.tiers[Tier.CPU]
+    put(p, Tier.CPU, range(10))
+    put(p, Tier.REDIS, range(10))
+    assert p.on_prefetch([k(0), k(1)], head_parent=None, now=NOW) == []  # both local already
+    # 10 > 9 -> shed 3, coldest first, skipping the leased k(0), k(1) (touched to MRU anyway).
+    assert [c.key for c in p.pressure(NOW + 1)] == [k(2), k(3), k(4)]
+    for i in (2, 3, 4):
+        cpu.remove(k(i))
+    put(p, Tier.CPU, [20, 21, 22])
+    p.on_access([k(0)])  # read: k(0)'s lease has served its purpose
+    assert [c.key for c in p.pressure(NOW + 2)] == [k(5), k(6), k(7)]
+    for i in (5, 6, 7):
+        cpu.remove(k(i))
+    put(p, Tier.CPU, [23, 24, 25])
+    # LRU is now 8, 9, 1, 20, ...: k(1) is still leased and skipped.
+    assert [c.key for c in p.pressure(NOW + 3)] == [k(8), k(9), k(20)]
+    for i in (8, 9, 20):
+        cpu.remove(k(i))
+    put(p, Tier.CPU, [26, 27, 28])
+    assert [c.key for c in p.pressure(NOW + 5)] == [k(1), k(21), k(22)]  # the lease ran out
 
 
 # --- clean_victim --------------------------------------------------------------------------------
@@ -279,6 +304,17 @@ def test_clean_victim_may_be_a_block_already_leaving_but_not_a_read_pinned_one()
     assert p.clean_victim(Tier.GPU) == k(1)  # the leaving pin is the policy's own
     gpu.pin(k(1))  # a reader holds it too
     assert p.clean_victim(Tier.GPU) is None
+
+
+def test_clean_victim_skips_leased_blocks() -> None:
+    p = placement(prefetch_lease_s=5.0)
+    put(p, Tier.CPU, [1, 2])
+    put(p, Tier.REDIS, [1, 2])
+    p.on_prefetch([k(1)], head_parent=None, now=NOW)
+    p.tiers[Tier.CPU].touch(k(2))  # LRU: k(1), k(2)
+    assert p.clean_victim(Tier.CPU) == k(2)
+    p.pressure(NOW + 5)  # expires the lease (nothing to shed)
+    assert p.clean_victim(Tier.CPU) == k(1)
 
 
 def test_clean_victim_skips_parents_of_resident_children() -> None:

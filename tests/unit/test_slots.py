@@ -166,6 +166,10 @@ def test_open_rejects_mismatches(new_seg) -> None:
         SlotTable.open(new_seg(segment_bytes(4, BB)), Kind.ARENA)
     with pytest.raises(SegmentError, match="too small"):
         SlotTable.format(new_seg(segment_bytes(4, BB) - 1), Kind.ARENA, 4, BB, FP)
+    headers_only = arena(new_seg, n=2, kind=Kind.GPU_HEADERS)  # payload lives on a GPU
+    assert SlotTable.open(headers_only.seg, Kind.GPU_HEADERS, FP, BB).n == 2
+    with pytest.raises(SegmentError, match="GPU"):
+        headers_only.payloads()
 
 
 def test_open_rejects_a_truncated_segment(new_seg) -> None:
