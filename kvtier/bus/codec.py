@@ -22,7 +22,7 @@ from kvtier.keys import KEY_BYTES, BlockKey
 MAX_ENTRY_BYTES = 4 << 20
 MAX_ITEMS = 65_536
 MAX_STR = 256
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")  # used with fullmatch: "$" would admit "\n"
 I64_MAX = (1 << 63) - 1
 
 
@@ -67,7 +67,7 @@ def decode(data: object) -> Envelope:
         raise MalformedEvent("top level must be a map")
     if set(obj) != {"v", "t", "p", "e", "s", "b"}:
         raise MalformedEvent(f"envelope fields must be v,t,p,e,s,b; got {sorted(map(str, obj))}")
-    if obj["v"] != SCHEMA_VERSION:
+    if type(obj["v"]) is not int or obj["v"] != SCHEMA_VERSION:  # True == 1 and 1.0 == 1 in Python
         raise MalformedEvent(f"unsupported schema version {obj['v']!r}")
     cls = EVENT_TYPES.get(obj["t"]) if isinstance(obj["t"], str) else None
     if cls is None:
@@ -141,7 +141,7 @@ def _key(where: str, value: object) -> BlockKey:
 
 
 def _name(where: str, value: object) -> str:
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise MalformedEvent(f"{where}: expected a name matching {NAME_RE.pattern}, got {str(value)[:80]!r}")
     return value
 

@@ -66,7 +66,7 @@ class Publisher:
     def __init__(
         self, redis: redis.asyncio.Redis, producer: str, epoch: int, maxlen: int, stats: BusStats | None = None
     ) -> None:
-        if not NAME_RE.match(producer) or epoch < 0 or maxlen < 1:
+        if not NAME_RE.fullmatch(producer) or epoch < 0 or maxlen < 1:
             # Caught here, not by every consumer dead-lettering every event this producer sends.
             raise ValueError(f"bad producer {producer!r} (must match {NAME_RE.pattern}), epoch or maxlen")
         self._redis = redis

@@ -32,7 +32,7 @@ def _pid_alive(pid: int) -> bool:
 class StagingSegments:
     def __init__(self, node: str, log) -> None:
         self._prefix = staging_prefix(node)
-        self._name_re = re.compile(re.escape(self._prefix) + r"[0-9]+\.[0-9a-f]{8,32}$")
+        self._name_re = re.compile(re.escape(self._prefix) + r"[0-9]+\.[0-9a-f]{8,32}")
         self._open: dict[str, SlotTable] = {}
         self.log = log
 
@@ -40,7 +40,7 @@ class StagingSegments:
         """The staging table `name`, attached and validated; SegmentError if it cannot be trusted."""
         table = self._open.get(name)
         if table is None:
-            if not self._name_re.match(name):
+            if not self._name_re.fullmatch(name):
                 raise SegmentError(f"{name!r} is not a staging segment of this node")
             seg = ShmSegment.attach(name, writable=True)
             try:

@@ -169,5 +169,5 @@ class TierIndex:
         e = self._entries.get(key)
         if e is not None and e.leaving:
             e.leaving = False
-            e.pins -= 1
+            e.pins = max(0, e.pins - 1)
             self.leaving -= 1

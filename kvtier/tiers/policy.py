@@ -65,10 +65,12 @@ class Placement:
         blocks already on their way in), else straight to Redis rather than dropping it.
         None for a block already here (the put is a duplicate)."""
         out: list[Tier | None] = []
+        seen: set[bytes] = set()
         for key in keys:
-            if any(self.tiers[t].get(key) is not None for t in LOCAL):
+            if key in seen or any(self.tiers[t].get(key) is not None for t in LOCAL):
                 out.append(None)
                 continue
+            seen.add(key)
             tier = next((t for t in LOCAL if self.room(t) > 0), Tier.REDIS)
             if tier in self.incoming:
                 self.incoming[tier] += 1

@@ -17,11 +17,11 @@ from pathlib import Path
 from kvtier.errors import SegmentError
 
 SHM_DIR = Path("/dev/shm")
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # fullmatch: "$" would admit a trailing "\n"
 
 
 def _path(name: str) -> Path:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise SegmentError(f"invalid shared-memory name {name!r}")
     return SHM_DIR / name
 

@@ -106,8 +106,6 @@ def test_wrong_schema_version(version) -> None:
     assert "unsupported schema version" in reason_of(pack(obj))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: codec.py decode() compares `obj['v'] != SCHEMA_VERSION`, "
-                   "so True and 1.0 pass as schema version 1")
 @pytest.mark.parametrize("version", [True, 1.0])
 def test_bool_or_float_schema_version_rejected(version) -> None:
     obj = wire()
@@ -193,8 +191,6 @@ def test_non_utf8_pool_name_is_malformed() -> None:
     assert "not valid msgpack" in reason_of(raw)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: codec.py NAME_RE ends in `$` and _name() uses .match, "
-                   "so a pool/producer name with a trailing newline ('gpu\\n') is accepted; use \\Z or fullmatch")
 @pytest.mark.parametrize("field", ["pool", "producer"])
 def test_name_with_trailing_newline_is_malformed(field: str) -> None:
     obj = wire(EVENTS[8])
@@ -244,13 +240,13 @@ def test_arbitrary_bytes(data: bytes) -> None:
     decodes_or_malformed(data)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(structures)
 def test_arbitrary_msgpack_structures(obj) -> None:
     decodes_or_malformed(pack(obj))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(EVENTS), st.data())
 def test_near_valid_envelopes(event, data: st.DataObject) -> None:
     """A valid envelope with one envelope or body field replaced by an arbitrary structure."""

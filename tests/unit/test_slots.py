@@ -98,8 +98,6 @@ def test_invalid_names_are_refused(name: str) -> None:
         ShmSegment.attach(name)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: segment.py NAME_RE ends in `$` and _path() uses .match, so a "
-                   "name with a trailing newline passes and a file named 'x\\n' is created; use \\Z or fullmatch")
 def test_name_with_trailing_newline_is_refused() -> None:
     name = f"{PREFIX}nl\n"
     try:
