@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -41,7 +42,8 @@ def daemon_factory(tmp_path, redis_url):
     counter = iter(range(1000))
 
     def make(node: str | None = None, start: bool = True, **kw) -> DaemonProcess:
-        node = node or f"n{next(counter)}-{tmp_path.name[-12:]}".replace("_", "-")
+        # Node ids name /dev/shm segments: keep them unique across concurrent test sessions.
+        node = f"{node or 'n'}-{next(counter)}-{uuid.uuid4().hex[:8]}"
         cfg = write_config(tmp_path, node=node, redis_url=kw.pop("redis_url", redis_url), **kw)
         d = DaemonProcess(cfg, tmp_path / f"rt-{node}")
         started.append(d)

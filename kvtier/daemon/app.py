@@ -7,6 +7,8 @@ stop (STOPPING, stop intake, let in-flight work finish within the grace period, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import grp
 import os
 import time
@@ -26,6 +28,7 @@ from kvtier.daemon.embedded_redis import EmbeddedRedis
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.staging import StagingSegments
+from kvtier.errors import KvtierError
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
@@ -37,6 +40,25 @@ def _ensure_runtime_dir(path: Path) -> None:
     path.mkdir(mode=0o750, parents=True, exist_ok=True)
     if path.stat().st_mode & 0o007:
         path.chmod(0o750)  # never world-accessible: it holds the Redis socket and the descriptor
+
+
+@contextlib.contextmanager
+def node_lock(node: str):
+    """One live daemon per node id: its segments' names carry the id, so a second daemon would
+    replace the first one's segments under its clients. The kernel drops the lock if we die."""
+    path = Path("/dev/shm") / f"kvtier.{node}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise KvtierError(f"another kvtier daemon is running with node id {node!r} (lock {path})") from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # still holding the lock: nobody else is using it
+    finally:
+        os.close(fd)
 
 
 def pool_snapshot(rt: PoolRuntime) -> dict:
@@ -76,6 +98,10 @@ class Daemon:
         self.consumers: list[Consumer] = []
 
     async def run(self, stop: asyncio.Event) -> None:
+        with node_lock(self.cfg.node.id):
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
         _ensure_runtime_dir(self.runtime_dir)
         gid = grp.getgrnam(cfg.node.shm_group).gr_gid if cfg.node.shm_group else None

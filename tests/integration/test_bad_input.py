@@ -49,16 +49,16 @@ async def test_malformed_stream_entries_are_dead_lettered(daemon_factory, redis_
     r = redis_server.client()
     async with await Client.connect(d.runtime_dir) as client:
         keys, kv = await _stored_baseline(client)
-        client_stream, cpu_stream = "kvtier:{bad-stream}:client", "kvtier:{bad-stream}:tier:cpu"
+        client_stream, cpu_stream = f"kvtier:{{{d.node}}}:client", f"kvtier:{{{d.node}}}:tier:cpu"
         r.xadd(client_stream, {b"e": b"\xc1 not msgpack"})
         r.xadd(client_stream, {b"other": b"x"})
         r.xadd(cpu_stream, {b"e": b"\x81\xa1v\x01"})  # a map, but not an envelope
         pub = Publisher(client._redis, "intruder", 1, 10_000)
         # Well-formed but meaningless: an unknown pool.
-        await pub.publish(client_stream, Put("no-such-pool", "kvtier.bad-stream.stage.1.0123456789abcdef",
+        await pub.publish(client_stream, Put("no-such-pool", f"kvtier.{d.node}.stage.1.0123456789abcdef",
                                              (StagedBlock(b"k" * 32, None, 0, 2),)))
-        await async_wait_until(lambda: len(_dlq(r, "bad-stream")) >= 4, timeout=10, message="4 dead letters")
-        reasons = " | ".join(e["reason"].decode() for e in _dlq(r, "bad-stream"))
+        await async_wait_until(lambda: len(_dlq(r, d.node)) >= 4, timeout=10, message="4 dead letters")
+        reasons = " | ".join(e["reason"].decode() for e in _dlq(r, d.node))
         assert "not valid msgpack" in reasons and "missing field" in reasons
         assert "envelope fields" in reasons and "unknown pool 'no-such-pool'" in reasons
         assert d.alive
@@ -67,8 +67,8 @@ async def test_malformed_stream_entries_are_dead_lettered(daemon_factory, redis_
         more = client.block_keys("t", list(range(16 * 2)), salt=b"after")
         await client.put("t", more, make_kv(2, seed=3))
         assert await client.wait_resident("t", more, timeout=10)
-    for stream in ("client", "tier:cpu"):
-        assert r.xpending(f"kvtier:{{bad-stream}}:{stream}", "kvtier")["pending"] == 0
+    for stream in (client_stream, cpu_stream):
+        assert r.xpending(stream, "kvtier")["pending"] == 0
     r.close()
 
 
@@ -130,16 +130,16 @@ async def test_put_naming_a_bogus_staging_segment_is_a_counted_drop(daemon_facto
         keys, kv = await _stored_baseline(client)
         pub = Publisher(client._redis, "forger", 1, 10_000)
         bogus = client.block_keys("t", list(range(16)), salt=b"forged")
-        for seg in ("kvtier.bad-stage.stage.1.00000000deadbeef", "kvtier.other-node.stage.1.0123456789abcdef",
+        for seg in (f"kvtier.{d.node}.stage.1.00000000deadbeef", "kvtier.other-node.stage.1.0123456789abcdef",
                     "../../etc/passwd"):
             try:
-                await pub.publish("kvtier:{bad-stage}:client", Put("t", seg, (StagedBlock(bogus[0], None, 0, 2),)))
+                await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", seg, (StagedBlock(bogus[0], None, 0, 2),)))
             except Exception:
                 pass  # the codec itself refuses some names; that is also a clear rejection
         # A real staging segment, but a slot outside it.
         await client.put("t", keys[:1], kv[:1])  # ensures the client's staging exists
         staging = client.pool("t").staging.seg.name
-        await pub.publish("kvtier:{bad-stage}:client", Put("t", staging, (StagedBlock(bogus[0], None, 10_000, 2),)))
+        await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", staging, (StagedBlock(bogus[0], None, 10_000, 2),)))
         await async_wait_until(lambda: d.pool_stats().get("puts_dropped", 0) >= 3, timeout=10,
                                message="bogus puts counted as drops")
         assert client.lookup("t", bogus).length == 0
@@ -181,7 +181,7 @@ async def test_blocks_put_by_another_process_and_staging_reaped_after_a_crash(da
     hang = subprocess.Popen([sys.executable, "-c", WRITER, str(d.runtime_dir), "hang"], stdout=subprocess.PIPE,
                             text=True, env=env)
     assert hang.stdout.readline().strip() == "4"
-    stage = f"kvtier.procs.stage.{hang.pid}."
+    stage = f"kvtier.{d.node}.stage.{hang.pid}."
     wait_until(lambda: any(p.startswith(stage) for p in os.listdir("/dev/shm")), timeout=10)
     hang.send_signal(signal.SIGKILL)
     hang.wait()

@@ -73,7 +73,7 @@ async def test_put_lookup_get_is_byte_exact(daemon_factory):
                            message="the daemon counted the reads as hits")
     assert d.pool_stats()["misses"] >= 2
     assert d.stop() == 0
-    assert shm_segments(d.config.stem) == [], "a clean stop with persist_arena=false leaves no segments"
+    assert shm_segments(d.node) == [], "a clean stop with persist_arena=false leaves no segments"
 
 
 async def test_demote_to_redis_and_promote_back(daemon_factory, redis_server):
@@ -139,7 +139,8 @@ async def test_warm_restart_keeps_the_cpu_arena(daemon_factory):
         await client.put("t", keys, kv)
         assert await client.wait_resident("t", keys, timeout=10)
     assert d.stop() == 0
-    assert "kvtier.warm.t.cpu" in shm_segments("warm"), "persist_arena keeps the cpu arena"
+    arena = f"kvtier.{d.node}.t.cpu"
+    assert arena in shm_segments(d.node), "persist_arena keeps the cpu arena"
     d.start()
     try:
         async with await Client.connect(d.runtime_dir) as client:
@@ -149,5 +150,5 @@ async def test_warm_restart_keeps_the_cpu_arena(daemon_factory):
             assert same_bytes(out, kv)
     finally:
         d.stop()
-        os.unlink("/dev/shm/kvtier.warm.t.cpu")
+        os.unlink(f"/dev/shm/{arena}")
     assert "reattached" in d.log_tail(20000)

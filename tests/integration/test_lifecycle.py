@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 import signal
 import subprocess
 import sys
@@ -26,14 +27,14 @@ def test_ready_then_sigterm_gives_stopping_and_exit_zero(daemon_factory):
     d.wait_for_message("STOPPING=1", timeout=5)
     assert d.proc.wait(timeout=10) == 0, d.log_tail()
     assert not (d.runtime_dir / DESCRIPTOR).exists(), "a stopped daemon withdraws its descriptor"
-    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith("kvtier.life.")]
+    assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith(f"kvtier.{d.node}.")]
 
 
 def test_watchdog_pings_flow_when_systemd_asks(tmp_path, redis_url):
     from tests.support.daemon_proc import DaemonProcess, write_config
 
-    cfg = write_config(tmp_path, node="dog", redis_url=redis_url)
-    d = DaemonProcess(cfg, tmp_path / "rt-dog", env={"WATCHDOG_USEC": "200000"}).start()
+    cfg = write_config(tmp_path, node=f"dog-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}", env={"WATCHDOG_USEC": "200000"}).start()
     try:
         d.wait_for_message("WATCHDOG=1", timeout=5)
     finally:
@@ -44,8 +45,8 @@ def test_embedded_redis_default_serves_and_cleans_up(tmp_path):
     """No Redis URL: the daemon starts its own redis-server on a unix socket in the runtime dir."""
     from tests.support.daemon_proc import DaemonProcess, write_config
 
-    cfg = write_config(tmp_path, node="emb", redis_url="")
-    d = DaemonProcess(cfg, tmp_path / "rt-emb").start()
+    cfg = write_config(tmp_path, node=f"emb-{uuid.uuid4().hex[:8]}", redis_url="")
+    d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start()
     try:
         sock = d.runtime_dir / "redis.sock"
         assert sock.exists()
@@ -54,6 +55,21 @@ def test_embedded_redis_default_serves_and_cleans_up(tmp_path):
     finally:
         assert d.stop() == 0
     assert not (d.runtime_dir / "redis.sock").exists()
+
+
+def test_a_second_daemon_with_the_same_node_id_is_refused(daemon_factory, tmp_path, redis_url):
+    from tests.support.daemon_proc import DaemonProcess, write_config
+
+    first = daemon_factory(node="twin")
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = write_config(other, node=first.node, redis_url=redis_url)
+    second = DaemonProcess(cfg, other / f"rt-{first.node}").start(wait_ready=False)
+    wait_until(lambda: second.proc.poll() is not None, timeout=30, message="the second daemon exits")
+    assert second.proc.returncode == 1
+    assert "another kvtier daemon is running" in second.log_tail()
+    second.kill()
+    assert first.alive and first.stop() == 0
 
 
 def test_config_with_a_typo_is_refused_with_the_key_named(tmp_path):
@@ -73,8 +89,8 @@ def test_config_with_a_typo_is_refused_with_the_key_named(tmp_path):
 def test_unreachable_redis_fails_start_with_a_clear_error(tmp_path):
     from tests.support.daemon_proc import DaemonProcess, write_config
 
-    cfg = write_config(tmp_path, node="nored", redis_url=f"unix://{tmp_path}/nothing-here.sock")
-    d = DaemonProcess(cfg, tmp_path / "rt-nored").start(wait_ready=False)
+    cfg = write_config(tmp_path, node=f"nored-{uuid.uuid4().hex[:8]}", redis_url=f"unix://{tmp_path}/nothing-here.sock")
+    d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start(wait_ready=False)
     wait_until(lambda: d.proc.poll() is not None, timeout=30, message="daemon exits")
     assert d.proc.returncode == 1
     assert "daemon.fatal" in d.log_tail() and "nothing-here.sock" in d.log_tail()

@@ -64,6 +64,7 @@ persist_arena = {str(persist_arena).lower()}
 class DaemonProcess:
     def __init__(self, config: Path, runtime_dir: Path, env: dict | None = None) -> None:
         self.config = config
+        self.node = config.stem  # write_config names the file after the node id
         self.runtime_dir = runtime_dir
         self.log_path = config.with_suffix(".log")
         self.env = env or {}
