@@ -113,6 +113,7 @@ class PolicyConfig:
     low_watermark: float = setting(number(gt=0, le=1), 0.75)
     promote_after_hits: int = setting(integer(1), 2)
     prefetch_lease_s: float = setting(number(gt=0), 5.0)
+    transfer_timeout_s: float = setting(number(gt=0), 30.0)
 
 
 @dataclass(frozen=True, slots=True)

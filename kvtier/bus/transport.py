@@ -299,6 +299,7 @@ class Consumer:
         """
         acks: dict[str, list[bytes]] = {}
         dead: list[DeadLetter] = []
+        effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
         try:
             for stream, entries in batches:
                 done = acks.setdefault(stream, [])
@@ -308,6 +309,7 @@ class Consumer:
             if self._after_batch is not None:
                 try:
                     await self._after_batch()
+                    effects_done = True
                 except Exception:
                     # The batch's effects are not complete: ack nothing it handled, so every
                     # entry comes back (handlers are idempotent). Dead letters stand.
@@ -315,7 +317,10 @@ class Consumer:
                     self._log.error("bus.after_batch_error", exc_info=True)
                     acks = {}
         except asyncio.CancelledError:
-            # Effects already happened: try (shielded, bounded) to ack them, then keep cancelling.
+            # Ack (shielded, bounded) only what has really taken effect, then keep cancelling.
+            # Without the batch hook having run, handled entries stay pending and come back.
+            if not effects_done:
+                acks = {}
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.wait_for(self._flush(acks, dead), CANCEL_FLUSH_TIMEOUT_S))
             raise

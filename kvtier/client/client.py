@@ -24,11 +24,12 @@ from kvtier.bus.transport import BusStats, Publisher
 from kvtier.client.pools import ClientPool
 from kvtier.config import default_runtime_dir
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
-from kvtier.errors import BadRequest, DaemonUnavailable, UnknownPool
+from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
 from kvtier.tiers.redis_blocks import redis_block_key
 
 ACCESS_FLUSH_S = 0.02
+DESCRIPTOR_CHECK_S = 0.5  # how often calls look for a restarted daemon (a new epoch)
 STREAM_MAXLEN = 100_000
 
 
@@ -56,8 +57,26 @@ class ClientStats:
     event_errors: int = 0
 
 
+def _read_descriptor(rdir: Path) -> tuple[dict, int]:
+    """The daemon's descriptor and the uid that owns it, from a directory only that uid controls.
+    A runtime directory another user could write (say a pre-created /tmp/kvtier-<uid>) could
+    point us at segments and a Redis full of forged blocks, so it is refused."""
+    path = rdir / DESCRIPTOR
+    try:
+        dst = rdir.stat()
+        fst = path.stat()
+        desc = read_json(path)
+    except (OSError, ValueError) as e:
+        raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
+    if dst.st_mode & 0o022 or fst.st_mode & 0o022 or fst.st_uid != dst.st_uid:
+        raise DaemonUnavailable(f"{path} or its directory is writable by others, or owned by another user; refusing")
+    return desc, fst.st_uid
+
+
 class Client:
-    def __init__(self, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log) -> None:
+    def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log) -> None:
+        self._rdir = rdir
+        self._staging_blocks = staging_blocks
         self.desc = desc
         self.node: str = desc["node"]
         self.log = log.bind(node=self.node)
@@ -65,13 +84,42 @@ class Client:
         self._client_stream: str = desc["streams"]["client"]
         self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
-        self.pools = {
-            name: ClientPool(name, p, self.node, daemon_uid, desc.get("shm_gid"), staging_blocks)
-            for name, p in desc["pools"].items()
-        }
+        self.pools = self._map_pools(desc, daemon_uid)
         self.stats = ClientStats()
         self._access: dict[str, tuple[list[bytes], list[int]]] = {}
         self._flusher: asyncio.Task | None = None
+        self._next_check = time.monotonic() + DESCRIPTOR_CHECK_S
+
+    def _map_pools(self, desc: dict, daemon_uid: int) -> dict[str, ClientPool]:
+        pools: dict[str, ClientPool] = {}
+        try:
+            for name, p in desc["pools"].items():
+                pools[name] = ClientPool(name, p, self.node, daemon_uid, desc.get("shm_gid"), self._staging_blocks)
+        except BaseException:
+            for p in pools.values():
+                p.close()
+            raise
+        return pools
+
+    def _follow_restarts(self) -> None:
+        """Re-map the pools when the daemon has restarted (a new epoch in its descriptor): its
+        directory and gpu segments are new ones. While no descriptor is there (daemon down or
+        starting), keep reading what is mapped: lookups go on working."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + DESCRIPTOR_CHECK_S
+        try:
+            desc, uid = _read_descriptor(self._rdir)
+            if desc.get("epoch") == self.desc.get("epoch") or desc.get("node") != self.node:
+                return
+            pools = self._map_pools(desc, uid)
+        except (DaemonUnavailable, SegmentError, OSError, KeyError, ValueError, TypeError):
+            return
+        old, self.pools, self.desc = self.pools, pools, desc
+        for p in old.values():
+            p.close()
+        self.log.info("client.daemon_restarted", epoch=desc.get("epoch"))
 
     # --- connect / close -----------------------------------------------------------------------
 
@@ -81,22 +129,23 @@ class Client:
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools."""
         rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
-        path = rdir / DESCRIPTOR
-        try:
-            desc = read_json(path)
-            daemon_uid = path.stat().st_uid
-        except (OSError, ValueError) as e:
-            raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
+        desc, daemon_uid = _read_descriptor(rdir)
         if not _alive(desc.get("pid")):
-            raise DaemonUnavailable(f"the daemon named in {path} (pid {desc.get('pid')}) is not running")
+            raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
-        return cls(desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+        try:
+            return cls(rdir, desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+        except BaseException:
+            await r.aclose()
+            raise
 
     async def close(self) -> None:
-        await self._flush_access()
-        if self._flusher is not None:
+        if self._flusher is not None and not self._flusher.done():
+            # Let an in-flight report finish rather than cancel it half-sent.
+            await asyncio.wait([self._flusher], timeout=2.0)
             self._flusher.cancel()
+        await self._flush_access()
         for p in self.pools.values():
             p.close()
         await self._redis.aclose()
@@ -108,6 +157,7 @@ class Client:
         await self.close()
 
     def pool(self, name: str) -> ClientPool:
+        self._follow_restarts()
         p = self.pools.get(name)
         if p is None:
             raise UnknownPool(f"unknown pool {name!r}; this daemon serves {sorted(self.pools)}")
@@ -154,7 +204,8 @@ class Client:
 
     async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
         """Copy the leading blocks of `keys` into out[0..n) (CPU or CUDA tensor [>=len(keys), *block_shape]).
-        Returns n, the number of leading blocks read and verified; out[n:] is untouched."""
+        Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
+        row n may hold the bytes of a copy that then failed verification."""
         p = self.pool(pool)
         keys = [check_key(k) for k in keys]
         p.check_tensor(out, len(keys), "out")
@@ -191,6 +242,11 @@ class Client:
                 staged = []
                 self.stats.event_errors += 1
                 self.log.warning("client.put_failed", pool=pool, error=str(e))
+            except BaseException:
+                # Cancelled mid-publish: free the slots. Safe even if the event did land, because
+                # the daemon re-checks each slot's generation before trusting it.
+                p.unstage(staged)
+                raise
         if dropped:
             self.stats.put_dropped += dropped
             self.log.info("client.put_dropped", pool=pool, dropped=dropped, reason="staging full or daemon unreachable")

@@ -13,7 +13,7 @@ from kvtier.errors import BadRequest, SegmentError
 from kvtier.layout import BlockLayout
 from kvtier.tiers.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Flags, Kind, SlotTable, segment_bytes
+from kvtier.tiers.slots import Flags, Kind, SlotTable, checksum, segment_bytes
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -101,12 +101,18 @@ class ClientPool:
         return False
 
     def _read_device(self, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
+        """Read a block of a real GPU pool. The copy to the host is synchronous, so the seqlock
+        re-check really follows the copy (a device-to-device copy would only be queued on the
+        caller's stream), and the checksum is verified on the host copy like any other read."""
         snap = table.begin_read(slot, key)
         if snap is None:
             return False
-        src = self.gpu_device_payload[slot]
-        dst.view(torch.uint8).reshape(-1).copy_(src.to(dst.device, non_blocking=False))
-        return table.end_read(slot, snap[0], key)
+        host = torch.from_numpy(self._host)
+        host.copy_(self.gpu_device_payload[slot])  # blocking D2H
+        if not table.end_read(slot, snap[0], key) or checksum(self._host) != snap[1]:
+            return False
+        dst.view(torch.uint8).reshape(-1).copy_(host)
+        return True
 
     # --- staging for put ---------------------------------------------------------------------
 

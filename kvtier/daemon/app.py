@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import grp
 import os
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,27 +38,28 @@ REAP_INTERVAL_S = 5.0
 
 def _ensure_runtime_dir(path: Path) -> None:
     path.mkdir(mode=0o750, parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o007:
-        path.chmod(0o750)  # never world-accessible: it holds the Redis socket and the descriptor
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        # Someone else made it (e.g. pre-created /tmp/kvtier-<uid>): clients would trust it.
+        raise KvtierError(f"runtime directory {path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
+    if st.st_mode & 0o027:
+        path.chmod(0o750)  # never writable by the group or open to others
 
 
 @contextlib.contextmanager
 def node_lock(node: str):
     """One live daemon per node id: its segments' names carry the id, so a second daemon would
-    replace the first one's segments under its clients. The kernel drops the lock if we die."""
-    path = Path("/dev/shm") / f"kvtier.{node}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    replace the first one's segments under its clients. An abstract unix socket is the lock:
+    the kernel releases it when we die, and it leaves no file behind in /dev/shm."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise KvtierError(f"another kvtier daemon is running with node id {node!r} (lock {path})") from None
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)  # still holding the lock: nobody else is using it
+            sock.bind(f"\0kvtier.{node}.lock")
+        except OSError:
+            raise KvtierError(f"another kvtier daemon is running with node id {node!r}") from None
+        yield
     finally:
-        os.close(fd)
+        sock.close()
 
 
 def pool_snapshot(rt: PoolRuntime) -> dict:
@@ -66,10 +67,14 @@ def pool_snapshot(rt: PoolRuntime) -> dict:
     for t in Tier:
         idx = rt.placement.tiers[t]
         c = rt.counters.tiers[t.label]
+        # Redis: blocks this daemon wrote and has not deleted (TTL expiry and other nodes'
+        # writes are not seen); local tiers: blocks resident now.
+        blocks = max(0, c.stored + c.demoted_in - c.evicted) if t == Tier.REDIS else idx.used
         tiers[t.label] = {
-            "blocks": idx.used,
+            "blocks": blocks,
             "capacity": idx.capacity,
-            "bytes": idx.used * rt.layout.block_bytes,
+            "bytes": blocks * rt.layout.block_bytes,
+            "incoming": rt.placement.incoming(t) if t != Tier.REDIS else 0,
             **{k: getattr(c, k) for k in c.__slots__},
         }
     return {
@@ -104,7 +109,10 @@ class Daemon:
     async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
         _ensure_runtime_dir(self.runtime_dir)
-        gid = grp.getgrnam(cfg.node.shm_group).gr_gid if cfg.node.shm_group else None
+        try:
+            gid = grp.getgrnam(cfg.node.shm_group).gr_gid if cfg.node.shm_group else None
+        except KeyError:
+            raise KvtierError(f"node.shm_group: no group named {cfg.node.shm_group!r}") from None
         embedded = None
         clients = []
         staging = StagingSegments(cfg.node.id, self.log)
@@ -121,10 +129,9 @@ class Daemon:
             clients = [bus] if blocks is bus else [bus, blocks]
             for c in clients:
                 await c.ping()
-            self.pools = {
-                p.name: open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis.block_ttl_s, gid, self.log)
-                for p in cfg.pools
-            }
+            for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
+                self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis.block_ttl_s, gid,
+                                               self.log)
             publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen, self.bus_stats)
             coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log)
             self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",

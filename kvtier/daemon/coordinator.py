@@ -45,7 +45,7 @@ class Coordinator:
                 if t is not None and t != Tier.REDIS:
                     rt.counters.tiers[t.label].hits += 1
             rt.counters.misses += ev.missed
-            cmds = rt.placement.on_access(ev.keys)
+            cmds = rt.placement.on_access(ev.keys, time.monotonic())
         elif isinstance(ev, Prefetch):
             cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent, time.monotonic())
         elif isinstance(ev, (Stored, Removed)):
@@ -61,14 +61,22 @@ class Coordinator:
             self._cmds.extend(self.pools[name].placement.pressure(time.monotonic()))
         self._touched.clear()
         cmds, self._cmds = self._cmds, []
-        if cmds:
+        if not cmds:
+            return
+        try:
             await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
-            self.log.debug("coordinator.commands", n=len(cmds))
+        except BaseException:
+            # Nothing was acked: the batch comes back. Forget the marks these commands made so
+            # that the replay decides afresh (a mark left behind would pin a block or eat room).
+            for c in cmds:
+                self.pools[c.pool].placement.revert([c])
+            raise
+        self.log.debug("coordinator.commands", n=len(cmds))
 
     def _put(self, rt: PoolRuntime, ev: Put) -> list:
         rt.counters.puts += len(ev.blocks)
         cmds: list = []
-        for b, tier in zip(ev.blocks, rt.placement.admit([b.key for b in ev.blocks])):
+        for b, tier in zip(ev.blocks, rt.placement.admit([b.key for b in ev.blocks], time.monotonic())):
             if tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
             else:

@@ -89,7 +89,7 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
         log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
 
     knobs = PolicyKnobs(policy.high_watermark, policy.low_watermark, policy.promote_after_hits,
-                        policy.prefetch_lease_s)
+                        policy.prefetch_lease_s, policy.transfer_timeout_s)
     return PoolRuntime(
         cfg=cfg,
         layout=layout,

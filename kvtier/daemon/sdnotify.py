@@ -23,8 +23,12 @@ class Notifier:
         return bool(self._addr)
 
     def notify(self, *states: str) -> bool:
+        """Best effort: a stale NOTIFY_SOCKET must not fail a start or a graceful stop."""
         if not self._addr:
             return False
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.sendto("\n".join(states).encode(), self._addr)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.sendto("\n".join(states).encode(), self._addr)
+        except OSError:
+            return False
         return True

@@ -44,8 +44,11 @@ class LocalTier:
         snap = self.table.begin_read(e.slot, key)
         if snap is None:
             return None
-        out[:] = self.device_payload[e.slot].cpu().numpy()
-        return snap[1] if self.table.end_read(e.slot, snap[0], key) else None
+        out[:] = self.device_payload[e.slot].cpu().numpy()  # synchronous D2H
+        # Clients can write a CUDA IPC mapping: verify the bytes before they travel further down.
+        if not self.table.end_read(e.slot, snap[0], key) or checksum(out) != snap[1]:
+            return None
+        return snap[1]
 
     def write(self, key: bytes, parent: bytes | None, data: np.ndarray, csum: int) -> Entry | None:
         """Store a verified block and make it visible. None when the tier has no free slot.

@@ -13,6 +13,9 @@ Rules (config `[policy]`):
 - A prefetch promotes the blocks that are not local from Redis into cpu, and leases them for
   `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
   prefetch into a full tier is not undone before the client gets to read it.
+- Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
+  passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
+  Redis restart) cannot shrink a tier's room or pin a block for ever.
 Time is passed in (`now`), never read here.
 """
 
@@ -31,27 +34,38 @@ class PolicyKnobs:
     low_watermark: float = 0.75
     promote_after_hits: int = 2
     prefetch_lease_s: float = 5.0
+    transfer_timeout_s: float = 30.0
 
 
-Command = Promote | Demote | Evict
+Command = Store | Promote | Demote | Evict
 LOCAL = (Tier.GPU, Tier.CPU)
 
 
 class Placement:
-    """Decisions for one pool. `tiers` maps every Tier to its index (Redis: unbounded, by key)."""
+    """Decisions for one pool. `tiers` maps every Tier to its index (Redis: keys known there)."""
 
     def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
         self.pool = pool
         self.tiers = tiers
         self.knobs = knobs
-        # Blocks commanded into a local tier whose outcome fact has not come back yet. Counting
-        # them keeps a burst of puts from over-filling a tier before its worker catches up.
-        self.incoming: dict[Tier, int] = {t: 0 for t in LOCAL}
+        # Blocks commanded into a local tier whose outcome fact has not come back: key -> give-up
+        # time. Counting them keeps a burst of puts from over-filling a tier before its worker
+        # catches up.
+        self._incoming: dict[Tier, dict[bytes, float]] = {t: {} for t in LOCAL}
+        self._leaving: dict[tuple[Tier, bytes], float] = {}  # (tier, key) chosen to leave -> give-up time
         self._leases: dict[bytes, float] = {}  # prefetched key -> lease expiry
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def incoming(self, t: Tier) -> int:
+        """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
+        reserved a slot the block counts in the index; counting it here too would double it.)"""
+        idx = self.tiers[t]
+        return sum(1 for k in self._incoming[t] if idx.get(k) is None)
 
     def room(self, t: Tier) -> int:
         idx = self.tiers[t]
-        return max(0, idx.free - self.incoming[t]) if idx.capacity else 0
+        return max(0, idx.free - self.incoming(t)) if idx.capacity else 0
 
     def where(self, key: bytes) -> Tier | None:
         """The highest tier known to hold `key` as a visible block."""
@@ -60,24 +74,30 @@ class Placement:
                 return t
         return None
 
-    def admit(self, keys: Sequence[bytes]) -> list[Tier | None]:
+    # --- decisions -----------------------------------------------------------------------------
+
+    def admit(self, keys: Sequence[bytes], now: float) -> list[Tier | None]:
         """Where each new block from a client goes: the highest local tier with room (counting
         blocks already on their way in), else straight to Redis rather than dropping it.
-        None for a block already here (the put is a duplicate)."""
+        None for a block already here or already on its way (a duplicate put)."""
+        self._expire(now)
+        room = {t: self.room(t) for t in LOCAL}
         out: list[Tier | None] = []
         seen: set[bytes] = set()
         for key in keys:
-            if key in seen or any(self.tiers[t].get(key) is not None for t in LOCAL):
+            if key in seen or any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
                 out.append(None)
                 continue
             seen.add(key)
-            tier = next((t for t in LOCAL if self.room(t) > 0), Tier.REDIS)
-            if tier in self.incoming:
-                self.incoming[tier] += 1
+            tier = next((t for t in LOCAL if room[t] > 0), Tier.REDIS)
+            if tier in self._incoming:
+                self._incoming[tier][key] = now + self.knobs.transfer_timeout_s
+                room[tier] -= 1
             out.append(tier)
         return out
 
-    def on_access(self, keys: Iterable[bytes]) -> list[Command]:
+    def on_access(self, keys: Iterable[bytes], now: float) -> list[Command]:
+        self._expire(now)
         out: list[Command] = []
         gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
         for key in keys:
@@ -85,9 +105,9 @@ class Placement:
             g = gpu.touch(key)
             c = cpu.touch(key)
             if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
-                    and c.hits >= self.knobs.promote_after_hits):
+                    and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
-                self.incoming[Tier.GPU] += 1
+                self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
         return out
 
     def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None, now: float) -> list[Command]:
@@ -98,8 +118,9 @@ class Placement:
         for key in keys:
             local = [self.tiers[t].get(key) for t in LOCAL]
             if all(e is None for e in local):
-                out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
-                self.incoming[Tier.CPU] += 1
+                if key not in self._incoming[Tier.CPU]:
+                    out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+                    self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
             else:
                 cpu.touch(key)
             self._leases[key] = expiry
@@ -107,41 +128,68 @@ class Placement:
         return out
 
     def on_fact(self, fact: Stored | Removed) -> list[Command]:
-        """Settle the incoming count; finish write-backs: once the next tier stored a demoted
+        """Settle what was in flight; finish write-backs: once the next tier stored a demoted
         block, drop it up here."""
         cause = fact.cause.split("_failed:")[0]
-        if fact.tier in self.incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
-            self.incoming[fact.tier] = max(0, self.incoming[fact.tier] - 1)
-        if isinstance(fact, Stored) and fact.cause == Demote.TYPE and fact.tier != Tier.GPU:
+        if fact.tier in self._incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
+            self._incoming[fact.tier].pop(fact.key, None)
+        if fact.tier != Tier.GPU and cause == Demote.TYPE:
             src = Tier(fact.tier - 1)
-            if self.tiers[src].get(fact.key) is not None:
-                return [Evict(self.pool, fact.key, src, "demoted")]
-        if isinstance(fact, Removed) and fact.cause.startswith(Demote.TYPE) and fact.tier != Tier.GPU:
-            # The demote failed: the block stays where it was and may be chosen again.
-            self.tiers[Tier(fact.tier - 1)].clear_leaving(fact.key)
+            if isinstance(fact, Stored):
+                if self.tiers[src].get(fact.key) is not None:
+                    if (src, fact.key) in self._leaving:  # the write-back's last step gets a full timeout
+                        self._leaving[(src, fact.key)] += self.knobs.transfer_timeout_s
+                    return [Evict(self.pool, fact.key, src, "demoted")]
+            else:  # the demote failed: the block stays where it was and may be chosen again
+                self._unmark(src, fact.key)
+        if isinstance(fact, Removed) and fact.cause.startswith("evict:"):
+            self._leaving.pop((fact.tier, fact.key), None)
         return []
+
+    def revert(self, cmds: Iterable[Command]) -> None:
+        """The commands were never published: undo what deciding them marked."""
+        for c in cmds:
+            dst = c.tier if isinstance(c, (Store, Evict)) else c.dst
+            if dst in self._incoming and not isinstance(c, Evict):
+                self._incoming[dst].pop(c.key, None)
+            if isinstance(c, (Demote, Evict)):
+                self._unmark(c.src if isinstance(c, Demote) else c.tier, c.key)
+
+    def refused(self, t: Tier, key: bytes) -> None:
+        """A worker refused to evict: the block stays and may be chosen again."""
+        self._unmark(t, key)
 
     def pressure(self, now: float) -> list[Command]:
         """Shed blocks from every local tier above its high watermark."""
         self._expire(now)
         out: list[Command] = []
         for t in LOCAL:
-            out.extend(self._shed(t))
+            out.extend(self._shed(t, now))
         return out
 
     def _expire(self, now: float) -> None:
         for key in [k for k, until in self._leases.items() if until <= now]:
             del self._leases[key]
+        for pending in self._incoming.values():
+            for key in [k for k, until in pending.items() if until <= now]:
+                del pending[key]
+        for t, key in [tk for tk, until in self._leaving.items() if until <= now]:
+            self._unmark(t, key)
 
-    def _shed(self, t: Tier) -> list[Command]:
+    def _unmark(self, t: Tier, key: bytes) -> None:
+        self._leaving.pop((t, key), None)
+        self.tiers[t].clear_leaving(key)
+
+    def _shed(self, t: Tier, now: float) -> list[Command]:
         idx = self.tiers[t]
         if not idx.capacity:
             return []
-        staying = idx.used + self.incoming[t] - idx.leaving
+        staying = idx.used + self.incoming(t) - idx.leaving
         if staying <= self.knobs.high_watermark * idx.capacity:
             return []
         excess = staying - int(self.knobs.low_watermark * idx.capacity)
         lower = Tier(t + 1)
+        give_up = now + self.knobs.transfer_timeout_s
         out: list[Command] = []
         for key in list(idx.candidates()):
             if excess <= 0:
@@ -154,14 +202,17 @@ class Placement:
                 out.append(Evict(self.pool, key, t, "clean"))
             else:
                 out.append(Demote(self.pool, key, e.parent, t, lower, e.slot, 0))
-                if lower in self.incoming:
-                    self.incoming[lower] += 1
+                if lower in self._incoming:
+                    self._incoming[lower][key] = give_up
             idx.mark_leaving(key)  # readable until the worker acts, never picked twice
+            self._leaving[(t, key)] = give_up
             excess -= 1
         return out
 
     def clean_victim(self, t: Tier) -> bytes | None:
-        """A block `t` may drop right now to make room: one the next tier already holds."""
+        """A block `t` may drop right now to make room: one the next tier is believed to hold.
+        For cpu that belief is the record of what was written to Redis; the worker confirms it
+        with Redis before dropping the last local copy."""
         if t == Tier.REDIS:
             return None
         idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]

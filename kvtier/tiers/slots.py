@@ -35,6 +35,7 @@ SLOT_HDR = 128
 SLOT_MAGIC = 0x4B56534C  # "KVSL"
 PAGE = 4096
 _HDR = struct.Struct("<IIQ32sQQ32s")
+SLOT_HEADER = _HDR  # public: readers that go through a file descriptor parse it too
 _GEN = struct.Struct("<Q")
 _FLAGS = struct.Struct("<I")
 LAYOUT_VERSION = 1
@@ -81,6 +82,29 @@ def segment_bytes(n: int, block_bytes: int, with_payload: bool = True) -> int:
     return payload_off + (_round_up(block_bytes, PAGE) * n if with_payload else 0)
 
 
+def parse_segment_header(head, size: int, name: str, kind: int, fingerprint: bytes | None,
+                         block_bytes: int | None) -> tuple[int, int, int, int, bytes]:
+    """Check a segment header (untrusted bytes) against the segment's size and what we expect.
+    Returns (slots, block_bytes, stride, payload_off, fingerprint)."""
+    if size < HEADER_OFF or len(head) < SEG.size:
+        raise SegmentError(f"segment {name} is too small to hold a header")
+    magic, ver, k, n, bb, stride, payload_off, fp, _pid, _ts = SEG.unpack_from(head, 0)
+    if magic != SEG_MAGIC or ver != LAYOUT_VERSION:
+        raise SegmentError(f"segment {name} has a bad magic or version")
+    if k != kind:
+        raise SegmentError(f"segment {name} is of kind {k}, expected {kind}")
+    if fingerprint is not None and fp != fingerprint:
+        raise SegmentError(f"segment {name} holds another layout")
+    if block_bytes is not None and bb != block_bytes:
+        raise SegmentError(f"segment {name} has block size {bb}, expected {block_bytes}")
+    with_payload = kind != Kind.GPU_HEADERS
+    if (n <= 0 or bb <= 0 or stride != _round_up(bb, PAGE)
+            or payload_off != _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+            or size < segment_bytes(n, bb, with_payload)):
+        raise SegmentError(f"segment {name} geometry does not match its size")
+    return n, bb, stride, payload_off, fp
+
+
 @dataclass(slots=True)
 class SlotTable:
     seg: ShmSegment
@@ -112,22 +136,9 @@ class SlotTable:
     def open(cls, seg: ShmSegment, kind: int, fingerprint: bytes | None = None,
              block_bytes: int | None = None) -> "SlotTable":
         """Validate an existing segment's header against its size and what we expect."""
-        if seg.size < HEADER_OFF:
-            raise SegmentError(f"segment {seg.name} is too small to hold a header")
-        magic, ver, k, n, bb, stride, payload_off, fp, _pid, _ts = SEG.unpack_from(seg.buf, 0)
-        if magic != SEG_MAGIC or ver != LAYOUT_VERSION:
-            raise SegmentError(f"segment {seg.name} has a bad magic or version")
-        if k != kind:
-            raise SegmentError(f"segment {seg.name} is of kind {k}, expected {kind}")
-        if fingerprint is not None and fp != fingerprint:
-            raise SegmentError(f"segment {seg.name} holds another layout")
-        if block_bytes is not None and bb != block_bytes:
-            raise SegmentError(f"segment {seg.name} has block size {bb}, expected {block_bytes}")
-        with_payload = kind != Kind.GPU_HEADERS
-        if (n <= 0 or bb <= 0 or stride != _round_up(bb, PAGE)
-                or payload_off != _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
-                or seg.size < segment_bytes(n, bb, with_payload)):
-            raise SegmentError(f"segment {seg.name} geometry does not match its size")
+        n, bb, stride, payload_off, fp = parse_segment_header(
+            seg.buf[:HEADER_OFF] if seg.size >= HEADER_OFF else b"", seg.size, seg.name, kind, fingerprint,
+            block_bytes)
         return cls(seg, kind, n, bb, stride, payload_off, fp)
 
     @property

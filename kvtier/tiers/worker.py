@@ -18,7 +18,6 @@ from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.tiers.directory import IN_REDIS
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
-from kvtier.tiers.slots import Flags
 
 Fact = Stored | Removed
 
@@ -82,9 +81,10 @@ class TierWorker:
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return Stored(rt.name, ev.key, ev.parent, self.tier, held.slot, Store.TYPE)
         buf = self._buf(bb)
-        csum = None
-        if staging.gen(ev.slot) == ev.gen:
-            csum = staging.read_into(ev.slot, ev.key, buf, flags=Flags.READY)
+        try:
+            csum = staging.read_into(ev.slot, ev.key, ev.gen, buf)
+        except OSError as e:
+            return self._failed(rt, ev, "bad_staging", str(e), dropped=True)
         if csum is None:
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return self._failed(rt, ev, "verify", "staging slot changed or failed its checksum", dropped=True)
@@ -96,7 +96,7 @@ class TierWorker:
                 return failed
             slot = -1
         else:
-            entry = self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
+            entry = await self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             if entry is None:
                 return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
@@ -113,8 +113,10 @@ class TierWorker:
         except redis.exceptions.RedisError as e:
             rt.redis.stats.errors += 1
             return self._failed(rt, ev, "redis", f"{type(e).__name__}: {e}")
-        rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
-        rt.directory.set_flag(ev.key, IN_REDIS, True)
+        if any(rt.placement.tiers[t].get(ev.key) is not None for t in (Tier.GPU, Tier.CPU)):
+            # Remember it only while a local copy exists: that is what eviction consults.
+            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
+            rt.directory.set_flag(ev.key, IN_REDIS, True)
         return None
 
     # --- promote / demote: another tier -> this tier -------------------------------------------
@@ -128,6 +130,8 @@ class TierWorker:
                 return Stored(rt.name, ev.key, ev.parent, self.tier, have.slot, ev.TYPE)
         got = await self._read_source(rt, ev)
         if got is None:
+            if ev.src == Tier.REDIS:  # expired, evicted or corrupt there: stop believing in it
+                self._forget_redis(rt, ev.key)
             return self._failed(rt, ev, "source_miss", f"{ev.src.label} no longer holds a valid copy")
         payload, csum = got
         if self.tier == Tier.REDIS:
@@ -135,7 +139,7 @@ class TierWorker:
                 return failed
             slot = -1
         else:
-            entry = self._write_local(rt, dst, ev.key, ev.parent, payload, csum)
+            entry = await self._write_local(rt, dst, ev.key, ev.parent, payload, csum)
             if entry is None:
                 return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict")
             slot = entry.slot
@@ -163,16 +167,52 @@ class TierWorker:
         csum = src.read(ev.key, buf)
         return None if csum is None else (buf, csum)
 
-    def _write_local(self, rt: PoolRuntime, dst: LocalTier, key: bytes, parent: bytes | None,
-                     data: np.ndarray, csum: int):
+    async def _write_local(self, rt: PoolRuntime, dst: LocalTier, key: bytes, parent: bytes | None,
+                           data: np.ndarray, csum: int):
         entry = dst.write(key, parent, data, csum)
-        if entry is None and (victim := rt.placement.clean_victim(self.tier)) is not None:
-            # Full: drop a block the next tier already holds. Nothing is lost.
-            dst.drop(victim)
-            rt.counters.tiers[self.tier.label].evicted += 1
-            self.log.info("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason="make_room")
+        if entry is None and await self._make_room(rt, dst):
             entry = dst.write(key, parent, data, csum)
         return entry
+
+    async def _make_room(self, rt: PoolRuntime, dst: LocalTier) -> bool:
+        """Full: drop one block the next tier holds (confirmed with Redis for the cpu tier).
+        Nothing is lost; False when no such block exists."""
+        for _ in range(4):  # a stale Redis record costs one more try, not a loop
+            victim = rt.placement.clean_victim(self.tier)
+            if victim is None:
+                return False
+            if self.tier == Tier.CPU and not await self._redis_has(rt, victim):
+                continue
+            self._drop(rt, dst, victim)
+            rt.counters.tiers[self.tier.label].evicted += 1
+            self.log.info("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason="make_room")
+            return True
+        return False
+
+    async def _redis_has(self, rt: PoolRuntime, key: bytes) -> bool:
+        """Confirm a block is really in Redis before dropping the last local copy: Redis may have
+        expired or evicted it since we wrote it. Forget it if it is gone; any error means no."""
+        try:
+            (present,) = await rt.redis.exists([key])
+        except redis.exceptions.RedisError as e:
+            rt.redis.stats.errors += 1
+            self.log.warning("tier.redis_check_failed", pool=rt.name, error=f"{type(e).__name__}: {e}")
+            return False
+        if not present:
+            self._forget_redis(rt, key)
+        return present
+
+    def _forget_redis(self, rt: PoolRuntime, key: bytes) -> None:
+        rt.placement.tiers[Tier.REDIS].remove(key)
+        rt.directory.set_flag(key, IN_REDIS, False)
+
+    def _drop(self, rt: PoolRuntime, local: LocalTier, key: bytes) -> None:
+        """Drop a local copy. Once no local tier holds the block, stop tracking its Redis copy
+        too: the daemon only needs to know about Redis for blocks it might drop locally, and
+        that keeps the record bounded by local capacity."""
+        local.drop(key)
+        if all(rt.placement.tiers[t].get(key) is None for t in (Tier.GPU, Tier.CPU)):
+            rt.placement.tiers[Tier.REDIS].remove(key)
 
     # --- evict ------------------------------------------------------------------------------------
 
@@ -191,13 +231,18 @@ class TierWorker:
         local = rt.local(self.tier)
         if local is None or local.index.get(ev.key) is None:
             return None  # already gone: a duplicate
-        if ev.key not in rt.placement.tiers[Tier(self.tier + 1)]:
-            # The only copy: refuse rather than lose it. The policy may choose it again later.
-            local.index.clear_leaving(ev.key)
+        lower = Tier(self.tier + 1)
+        safe = ev.key in rt.placement.tiers[lower]
+        if safe and lower == Tier.REDIS:
+            safe = await self._redis_has(rt, ev.key)
+        if not safe:
+            # The only copy: refuse rather than lose it. The policy may choose it again later,
+            # and will then demote it first.
+            rt.placement.refused(self.tier, ev.key)
             c.refused += 1
             self.log.warning("tier.evict_refused", pool=rt.name, key=ev.key.hex()[:16], reason=ev.reason)
             return None
-        local.drop(ev.key)
+        self._drop(rt, local, ev.key)
         c.evicted += 1
         return Removed(rt.name, ev.key, self.tier, f"evict:{ev.reason}")
 

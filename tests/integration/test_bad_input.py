@@ -129,17 +129,17 @@ async def test_put_naming_a_bogus_staging_segment_is_a_counted_drop(daemon_facto
     async with await Client.connect(d.runtime_dir) as client:
         keys, kv = await _stored_baseline(client)
         pub = Publisher(client._redis, "forger", 1, 10_000)
-        bogus = client.block_keys("t", list(range(16)), salt=b"forged")
-        for seg in (f"kvtier.{d.node}.stage.1.00000000deadbeef", "kvtier.other-node.stage.1.0123456789abcdef",
-                    "../../etc/passwd"):
+        bogus = client.block_keys("t", list(range(16 * 4)), salt=b"forged")
+        for i, seg in enumerate((f"kvtier.{d.node}.stage.1.00000000deadbeef", "kvtier.other-node.stage.1.0123456789abcdef",
+                    "../../etc/passwd")):
             try:
-                await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", seg, (StagedBlock(bogus[0], None, 0, 2),)))
+                await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", seg, (StagedBlock(bogus[i], None, 0, 2),)))
             except Exception:
                 pass  # the codec itself refuses some names; that is also a clear rejection
         # A real staging segment, but a slot outside it.
         await client.put("t", keys[:1], kv[:1])  # ensures the client's staging exists
         staging = client.pool("t").staging.seg.name
-        await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", staging, (StagedBlock(bogus[0], None, 10_000, 2),)))
+        await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", staging, (StagedBlock(bogus[3], None, 10_000, 2),)))
         await async_wait_until(lambda: d.pool_stats().get("puts_dropped", 0) >= 3, timeout=10,
                                message="bogus puts counted as drops")
         assert client.lookup("t", bogus).length == 0

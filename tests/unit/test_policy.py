@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
-from kvtier.bus.events import Demote, Evict, Promote, Removed, Stored, Tier
+from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.tiers.index import TierIndex
 from kvtier.tiers.policy import Placement, PolicyKnobs
 
 POOL = "llama-8b"
 NOW = 1000.0  # the policy never reads the clock; tests pass time in
+TIMEOUT = 30.0  # PolicyKnobs.transfer_timeout_s default
 
 
 def k(i: int) -> bytes:
@@ -30,8 +29,6 @@ def put(p: Placement, tier: Tier, ids, chain: bool = False) -> None:
 
 
 # --- admit ---------------------------------------------------------------------------------------
-
-
 # With no local room a put goes straight to Redis (policy.py docstring); kept in one place.
 OVERFLOW = Tier.REDIS
 
@@ -39,25 +36,27 @@ OVERFLOW = Tier.REDIS
 def test_admit_fills_gpu_then_cpu_counting_the_batch() -> None:
     p = placement(gpu=2, cpu=3)
     put(p, Tier.GPU, [100])
-    got = p.admit([k(1), k(2), k(3), k(4), k(5), k(6)])
+    got = p.admit([k(1), k(2), k(3), k(4), k(5), k(6)], NOW)
     assert got == [Tier.GPU, Tier.CPU, Tier.CPU, Tier.CPU, OVERFLOW, OVERFLOW]
     assert p.tiers[Tier.GPU].used == 1 and p.tiers[Tier.CPU].used == 0  # admit decides, indices unchanged
+    assert placement(gpu=0, cpu=1).admit([k(1), k(2)], NOW) == [Tier.CPU, OVERFLOW]  # no gpu at all
 
 
 def test_admit_counts_blocks_in_flight_across_calls_until_their_fact() -> None:
     p = placement(gpu=1, cpu=1)
-    assert p.admit([k(1)]) == [Tier.GPU]
-    assert p.admit([k(2)]) == [Tier.CPU]  # the gpu slot is spoken for, though not yet reserved
-    assert p.admit([k(3)]) == [OVERFLOW]
+    assert p.admit([k(1)], NOW) == [Tier.GPU]
+    assert p.admit([k(2)], NOW) == [Tier.CPU]  # the gpu slot is spoken for, though not yet reserved
+    assert p.admit([k(3)], NOW) == [OVERFLOW]
     assert p.room(Tier.GPU) == p.room(Tier.CPU) == 0
     assert p.on_fact(Removed(POOL, k(1), Tier.GPU, "store_failed:verify")) == []
     assert p.room(Tier.GPU) == 1
-    assert p.on_fact(Removed(POOL, k(2), Tier.CPU, "evict:clean")) == []  # not an arrival
-    assert p.room(Tier.CPU) == 0
+    assert p.incoming(Tier.GPU) == 0 and p.incoming(Tier.CPU) == 1
+    assert p.on_fact(Removed(POOL, k(99), Tier.CPU, "evict:clean")) == []  # another key's fact
+    assert p.room(Tier.CPU) == 0 and p.incoming(Tier.CPU) == 1
     p.tiers[Tier.CPU].add(k(2), None)
     assert p.on_fact(Stored(POOL, k(2), None, Tier.CPU, 0, "store")) == []
-    assert p.room(Tier.CPU) == 0  # now the slot itself is used
-    assert p.admit([k(4), k(5)]) == [Tier.GPU, OVERFLOW]
+    assert p.room(Tier.CPU) == 0 and p.incoming(Tier.CPU) == 0  # now the slot itself is used
+    assert p.admit([k(4), k(5)], NOW) == [Tier.GPU, OVERFLOW]
 
 
 def test_admit_duplicates_are_none_but_redis_only_blocks_are_admitted() -> None:
@@ -66,12 +65,7 @@ def test_admit_duplicates_are_none_but_redis_only_blocks_are_admitted() -> None:
     put(p, Tier.CPU, [2])
     p.tiers[Tier.CPU].reserve(k(3), None)  # PENDING counts as here too
     put(p, Tier.REDIS, [4])
-    assert p.admit([k(1), k(2), k(3), k(4), k(5)]) == [None, None, None, Tier.CPU, Tier.CPU]
-
-
-def test_admit_with_no_gpu_capacity() -> None:
-    p = placement(gpu=0, cpu=1)
-    assert p.admit([k(1), k(2)]) == [Tier.CPU, OVERFLOW]
+    assert p.admit([k(1), k(2), k(3), k(4), k(5)], NOW) == [None, None, None, Tier.CPU, Tier.CPU]
 
 
 def test_where_prefers_the_highest_tier() -> None:
@@ -84,16 +78,11 @@ def test_where_prefers_the_highest_tier() -> None:
 
 
 # --- pressure ------------------------------------------------------------------------------------
-
-
-def test_no_pressure_at_or_below_high_watermark() -> None:
-    p = placement(gpu=10, cpu=10)
-    put(p, Tier.GPU, range(9))
-    put(p, Tier.CPU, range(100, 109))
-    assert p.pressure(NOW) == []
-
-
 def test_pressure_demotes_or_evicts_coldest_down_to_low_watermark() -> None:
+    calm = placement(gpu=10, cpu=10)
+    put(calm, Tier.GPU, range(9))
+    put(calm, Tier.CPU, range(100, 109))
+    assert calm.pressure(NOW) == []  # at the high watermark: nothing to shed
     p = placement(gpu=10, cpu=100)
     put(p, Tier.GPU, range(10))
     put(p, Tier.CPU, [1])  # k(1) already has a cpu copy
@@ -165,8 +154,6 @@ def test_demotes_on_their_way_down_count_toward_the_next_tier_pressure() -> None
 
 
 # --- facts ---------------------------------------------------------------------------------------
-
-
 def test_stored_by_demote_evicts_the_upper_copy() -> None:
     p = placement()
     put(p, Tier.GPU, [1])
@@ -197,38 +184,26 @@ def test_failed_demote_clears_leaving_so_the_block_can_be_chosen_again() -> None
 
 
 # --- access and prefetch -------------------------------------------------------------------------
-
-
 def test_access_promotes_cpu_only_block_after_enough_hits() -> None:
     p = placement(gpu=4, promote_after_hits=2)
     put(p, Tier.CPU, [1, 2], chain=True)
-    assert p.on_access([k(1), k(2)]) == []
+    assert p.on_access([k(1), k(2)], NOW) == []
     cpu = p.tiers[Tier.CPU]
-    assert p.on_access([k(2)]) == [Promote(POOL, k(2), k(1), Tier.CPU, Tier.GPU, cpu.get(k(2)).slot, 0)]
+    assert p.on_access([k(2)], NOW) == [Promote(POOL, k(2), k(1), Tier.CPU, Tier.GPU, cpu.get(k(2)).slot, 0)]
     assert cpu.get(k(2)).hits == 2
 
 
-def test_access_does_not_promote_when_gpu_has_it_or_is_full() -> None:
-    p = placement(gpu=1, promote_after_hits=1)
-    put(p, Tier.CPU, [1, 2, 3])
-    put(p, Tier.GPU, [1])
-    assert p.on_access([k(1)]) == []  # already in gpu
-    assert p.tiers[Tier.GPU].get(k(1)).hits == 1
-    full = placement(gpu=1, promote_after_hits=1)
-    put(full, Tier.CPU, [1])
-    put(full, Tier.GPU, [9])
-    assert full.on_access([k(1)]) == []
-
-
-def test_access_promotions_respect_gpu_room_within_one_call() -> None:
+def test_access_does_not_promote_what_gpu_has_nor_past_its_room() -> None:
     p = placement(gpu=2, promote_after_hits=1)
-    put(p, Tier.CPU, [1, 2, 3])
+    put(p, Tier.CPU, [1, 2, 3, 9])
     put(p, Tier.GPU, [9])
-    cmds = p.on_access([k(1), k(2), k(3), k(77)])
+    assert p.on_access([k(9)], NOW) == []  # already in gpu
+    assert p.tiers[Tier.GPU].get(k(9)).hits == 1
+    cmds = p.on_access([k(1), k(2), k(3), k(77)], NOW)
     assert [(c.key, c.src, c.dst) for c in cmds] == [(k(1), Tier.CPU, Tier.GPU)]
-    assert p.on_access([k(2)]) == []  # the last gpu slot is promised to k(1)
+    assert p.on_access([k(2)], NOW) == []  # the last gpu slot is promised to k(1)
     p.on_fact(Removed(POOL, k(1), Tier.GPU, "promote_failed:source_miss"))
-    assert [c.key for c in p.on_access([k(2)])] == [k(2)]
+    assert [c.key for c in p.on_access([k(2)], NOW)] == [k(2)]
 
 
 def test_prefetch_promotes_only_non_local_keys_from_redis_with_chain_parents() -> None:
@@ -243,14 +218,10 @@ def test_prefetch_promotes_only_non_local_keys_from_redis_with_chain_parents() -
         Promote(POOL, k(5), k(4), Tier.REDIS, Tier.CPU, -1, 0),
     ]
     assert p.tiers[Tier.CPU].get(k(1)).hits == 1
-
-
-@pytest.mark.parametrize("head_parent", [None, k(50)])
-def test_prefetch_first_key_gets_head_parent(head_parent: bytes | None) -> None:
-    p = placement()
-    cmds = p.on_prefetch([k(7), k(8)], head_parent=head_parent, now=NOW)
-    assert [(c.key, c.parent) for c in cmds] == [(k(7), head_parent), (k(8), k(7))]
-    assert all(isinstance(c, Promote) and c.src == Tier.REDIS and c.dst == Tier.CPU for c in cmds)
+    for head in (None, k(50)):  # the first key's parent is the chain's head_parent
+        cmds = placement().on_prefetch([k(7), k(8)], head_parent=head, now=NOW)
+        assert cmds == [Promote(POOL, k(7), head, Tier.REDIS, Tier.CPU, -1, 0),
+                        Promote(POOL, k(8), k(7), Tier.REDIS, Tier.CPU, -1, 0)]
 
 
 def test_prefetch_leases_keep_blocks_from_being_shed_until_read_or_expired() -> None:
@@ -264,7 +235,7 @@ def test_prefetch_leases_keep_blocks_from_being_shed_until_read_or_expired() -> 
     for i in (2, 3, 4):
         cpu.remove(k(i))
     put(p, Tier.CPU, [20, 21, 22])
-    p.on_access([k(0)])  # read: k(0)'s lease has served its purpose
+    p.on_access([k(0)], NOW + 1)  # read: k(0)'s lease has served its purpose
     assert [c.key for c in p.pressure(NOW + 2)] == [k(5), k(6), k(7)]
     for i in (5, 6, 7):
         cpu.remove(k(i))
@@ -277,9 +248,91 @@ def test_prefetch_leases_keep_blocks_from_being_shed_until_read_or_expired() -> 
     assert [c.key for c in p.pressure(NOW + 5)] == [k(1), k(21), k(22)]  # the lease ran out
 
 
+# --- in flight: duplicates, give-up deadlines, revert, refusal ----------------------------------
+def test_a_key_in_flight_is_not_admitted_or_promoted_again_until_it_settles() -> None:
+    p = placement(gpu=2, cpu=2, promote_after_hits=1)
+    put(p, Tier.CPU, [5])
+    promote = Promote(POOL, k(5), None, Tier.CPU, Tier.GPU, p.tiers[Tier.CPU].get(k(5)).slot, 0)
+    assert p.on_access([k(5), k(5)], NOW) == [promote]  # once within a call
+    assert p.on_access([k(5)], NOW + 1) == []  # and once across calls, though gpu has room
+    assert p.admit([k(1), k(1)], NOW) == [Tier.GPU, None]
+    assert p.admit([k(1)], NOW + 1) == [None]  # still on its way in
+    (fetch,) = p.on_prefetch([k(3)], None, NOW)
+    assert p.admit([k(3)], NOW + 1) == [None] and p.on_prefetch([k(3)], None, NOW + 1) == []
+    assert p.incoming(Tier.GPU) == 2 and p.incoming(Tier.CPU) == 1
+    p.on_fact(Removed(POOL, k(1), Tier.GPU, "store_failed:verify"))
+    p.on_fact(Removed(POOL, k(5), Tier.GPU, "promote_failed:source_miss"))
+    assert p.on_access([k(5)], NOW + 2) == [promote]  # settled: decided afresh
+    assert p.admit([k(1)], NOW + 2) == [Tier.GPU] and p.room(Tier.GPU) == 0
+
+
+def test_in_flight_marks_expire_after_transfer_timeout() -> None:
+    q = placement(gpu=1, cpu=1)
+    assert q.admit([k(1), k(2)], NOW) == [Tier.GPU, Tier.CPU]
+    assert q.admit([k(3)], NOW + TIMEOUT - 0.1) == [OVERFLOW]  # still counted just before
+    assert q.admit([k(1), k(4)], NOW + TIMEOUT) == [Tier.GPU, Tier.CPU]  # given up: room is back
+    assert q.incoming(Tier.GPU) == q.incoming(Tier.CPU) == 1  # only the new ones
+    r = placement(gpu=1, cpu=0, transfer_timeout_s=2.0)  # the knob sets the deadline
+    got = [r.admit([k(i)], NOW + t)[0] for i, t in ((1, 0), (2, 1.9), (3, 2))]
+    assert got == [Tier.GPU, OVERFLOW, Tier.GPU]
+    # A stuck demote gives back its cpu room, and its gpu block becomes a candidate again.
+    p = placement(gpu=10, cpu=10)
+    gpu = p.tiers[Tier.GPU]
+    put(p, Tier.GPU, range(10))
+    first = p.pressure(NOW)
+    assert [(type(c), c.key) for c in first] == [(Demote, k(0)), (Demote, k(1)), (Demote, k(2))]
+    assert p.incoming(Tier.CPU) == 3 and p.room(Tier.CPU) == 7
+    assert p.pressure(NOW + TIMEOUT - 0.1) == [] and gpu.leaving == 3
+    assert p.admit([], NOW + TIMEOUT) == []  # time passes; no fact ever came back
+    assert p.incoming(Tier.CPU) == 0 and p.room(Tier.CPU) == 10
+    assert gpu.leaving == 0 and all(gpu.get(k(i)).pins == 0 for i in range(3))
+    assert p.pressure(NOW + TIMEOUT) == first  # the same three are chosen again
+    assert p.pressure(NOW + 2 * TIMEOUT - 0.1) == [] and gpu.leaving == 3  # under a fresh deadline
+
+
+def test_revert_undoes_the_marks_of_commands_never_published() -> None:
+    p = placement(gpu=10, cpu=10)
+    gpu = p.tiers[Tier.GPU]
+    put(p, Tier.GPU, range(10))
+    put(p, Tier.CPU, [0, 50])  # k(0) has a cpu copy: evicted, not demoted
+    shed = p.pressure(NOW)
+    assert [(type(c), c.key) for c in shed] == [(Evict, k(0)), (Demote, k(1)), (Demote, k(2))]
+    assert gpu.leaving == 3 and p.room(Tier.CPU) == 6
+    p.revert(shed)
+    assert gpu.leaving == 0 and all(gpu.get(k(i)).pins == 0 for i in range(3))
+    assert p.incoming(Tier.CPU) == 0 and p.room(Tier.CPU) == 8
+    assert p.pressure(NOW) == shed  # the replay chooses the same blocks again
+    q = placement(gpu=2, cpu=2, promote_after_hits=1)
+    put(q, Tier.CPU, [50])
+    (promote,) = q.on_access([k(50)], NOW)
+    assert q.admit([k(1)], NOW) == [Tier.GPU]
+    (fetch,) = q.on_prefetch([k(2)], None, NOW)
+    assert q.room(Tier.GPU) == q.room(Tier.CPU) == 0
+    q.revert([promote, Store(POOL, Tier.GPU, k(1), None, "seg", 0, 0), fetch,
+              Store(POOL, Tier.REDIS, k(9), None, "seg", 1, 0)])  # a redis store marked nothing
+    assert q.incoming(Tier.GPU) == q.incoming(Tier.CPU) == 0
+    assert q.room(Tier.GPU) == 2 and q.room(Tier.CPU) == 1
+    assert q.on_access([k(50)], NOW) == [promote] and q.on_prefetch([k(2)], None, NOW) == [fetch]
+    assert q.admit([k(1)], NOW) == [Tier.GPU]  # not a duplicate any more
+
+
+def test_refused_or_expired_evicts_clear_leaving_and_an_eviction_fact_settles_it() -> None:
+    p = placement(gpu=10, high_watermark=0.75, low_watermark=0.7)
+    gpu = p.tiers[Tier.GPU]
+    put(p, Tier.GPU, range(10))
+    put(p, Tier.CPU, [0])
+    assert [(type(c), c.key) for c in p.pressure(NOW)] == [(Evict, k(0)), (Demote, k(1)), (Demote, k(2))]
+    p.refused(Tier.GPU, k(0))  # the worker found it was the only copy after all
+    assert not gpu.get(k(0)).leaving and gpu.get(k(0)).pins == 0 and gpu.leaving == 2
+    assert p.pressure(NOW + 1) == [Evict(POOL, k(0), Tier.GPU, "clean")]  # 8 > 7.5: chosen again
+    assert [c.key for c in p.pressure(NOW + TIMEOUT)] == [k(1), k(2)]  # the demotes gave up
+    assert p.pressure(NOW + 1 + TIMEOUT) == [Evict(POOL, k(0), Tier.GPU, "clean")]  # so did the evict
+    gpu.remove(k(0))  # this time the worker evicts it, then reports
+    assert p.on_fact(Removed(POOL, k(0), Tier.GPU, "evict:clean")) == []
+    assert (Tier.GPU, k(0)) not in p._leaving and gpu.leaving == 2  # no record left to expire
+
+
 # --- clean_victim --------------------------------------------------------------------------------
-
-
 def test_clean_victim_is_the_coldest_evictable_block_the_next_tier_holds() -> None:
     p = placement()
     put(p, Tier.GPU, [1, 2, 3, 4])
@@ -293,6 +346,10 @@ def test_clean_victim_is_the_coldest_evictable_block_the_next_tier_holds() -> No
     put(p, Tier.REDIS, [4])
     assert p.clean_victim(Tier.CPU) == k(4)
     assert p.clean_victim(Tier.REDIS) is None
+    q = placement()
+    put(q, Tier.GPU, [1, 2], chain=True)
+    put(q, Tier.CPU, [1])
+    assert q.clean_victim(Tier.GPU) is None  # k(1) is in cpu but k(2) still hangs off it
 
 
 def test_clean_victim_may_be_a_block_already_leaving_but_not_a_read_pinned_one() -> None:
@@ -315,10 +372,3 @@ def test_clean_victim_skips_leased_blocks() -> None:
     assert p.clean_victim(Tier.CPU) == k(2)
     p.pressure(NOW + 5)  # expires the lease (nothing to shed)
     assert p.clean_victim(Tier.CPU) == k(1)
-
-
-def test_clean_victim_skips_parents_of_resident_children() -> None:
-    p = placement()
-    put(p, Tier.GPU, [1, 2], chain=True)
-    put(p, Tier.CPU, [1])
-    assert p.clean_victim(Tier.GPU) is None
