@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
+from kvtier.daemon.parent_death import die_with_parent
 
 READY_TIMEOUT_S = 30.0
 
@@ -128,7 +129,14 @@ def _progress(stats: dict, t0: float) -> str:
     return " | ".join(parts)
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run_demo(args) -> int:
+    # SIGTERM/SIGHUP stop the demo like Ctrl-C does, through the same cleanup.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     rdir = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
     env = dict(os.environ)
     env.update({
@@ -143,8 +151,10 @@ def run_demo(args) -> int:
     cmd = [sys.executable, "-m", "kvtier.cli", "daemon"] + (["--config", args.config] if args.config else [])
     log_path = rdir / "daemon.log"
     print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path})", flush=True)
+    # New sessions: Ctrl-C reaches the children only through us, in order. PDEATHSIG: if we are
+    # killed outright, they go too.
     daemon = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)  # Ctrl-C reaches the daemon only through us
+                              start_new_session=True, preexec_fn=die_with_parent)
     workers: list[subprocess.Popen] = []
     code = 0
     try:
@@ -156,7 +166,8 @@ def run_demo(args) -> int:
             workers.append(subprocess.Popen(
                 [sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir", str(rdir), "--pool", pool,
                  "--prefixes", str(args.prefixes), "--seed", str(args.seed * 1000 + i),
-                 "--report", str(rdir / f"client-{i}.json")], env=env, start_new_session=True))
+                 "--report", str(rdir / f"client-{i}.json")], env=env, start_new_session=True,
+                preexec_fn=die_with_parent))
         t0 = time.monotonic()
         try:
             while time.monotonic() - t0 < args.duration:
@@ -172,6 +183,9 @@ def run_demo(args) -> int:
         except KeyboardInterrupt:
             print("\nkvtier demo: stopping", flush=True)
     finally:
+        # A second Ctrl-C (or TERM) must not cut the cleanup short and leave processes behind.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for w in workers:
             w.send_signal(signal.SIGTERM)
         for w in workers:

@@ -9,21 +9,12 @@ streams do not): allkeys-* would evict the streams and their consumer groups.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
 import shutil
-import signal
 from pathlib import Path
 
 from kvtier.config import EmbeddedRedisConfig
+from kvtier.daemon.parent_death import die_with_parent
 from kvtier.errors import KvtierError
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:
@@ -53,7 +44,7 @@ class EmbeddedRedis:
             "--logfile", str(self.runtime_dir / "redis.log"), "--protected-mode", "yes",
         ]
         self.proc = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent
+            *args, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

@@ -8,6 +8,7 @@ logged, and the read is a miss.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -60,6 +61,14 @@ class RedisBlockStats:
     errors: int = 0
 
 
+# Delete only the value we judged corrupt: another node may have written a good one since.
+DELETE_IF_SAME = """
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class RedisBlocks:
     """One pool's blocks in Redis. Errors from Redis propagate; the worker turns them into misses."""
 
@@ -72,6 +81,7 @@ class RedisBlocks:
         self.ttl_s = ttl_s
         self.log = log.bind(pool=pool, tier="redis")
         self.stats = RedisBlockStats()
+        self._delete_if_same = client.register_script(DELETE_IF_SAME)
 
     def name(self, key: bytes) -> str:
         return redis_block_key(self.pool, key)
@@ -91,7 +101,7 @@ class RedisBlocks:
             self.stats.corrupt += 1
             self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
             try:
-                await self.client.delete(self.name(key))
+                await self._delete_if_same(keys=[self.name(key)], args=[hashlib.sha1(raw, usedforsecurity=False).hexdigest()])
             except redis.exceptions.RedisError as de:
                 self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
             return None
