@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
-from kvtier.daemon.parent_death import die_with_parent
+from kvtier.processes import die_with_parent
 
 READY_TIMEOUT_S = 30.0
 

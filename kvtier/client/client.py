@@ -26,6 +26,7 @@ from kvtier.config import default_runtime_dir
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.processes import pid_alive
 from kvtier.tiers.redis_blocks import redis_block_key
 
 ACCESS_FLUSH_S = 0.02
@@ -130,7 +131,7 @@ class Client:
         or the default runtime directory) and map its pools."""
         rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
         desc, daemon_uid = _read_descriptor(rdir)
-        if not _alive(desc.get("pid")):
+        if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
@@ -294,14 +295,3 @@ class Client:
             self.stats.event_errors += 1
             self.log.warning("client.access_report_failed", error=str(e))
 
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

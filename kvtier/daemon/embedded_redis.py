@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from kvtier.config import EmbeddedRedisConfig
-from kvtier.daemon.parent_death import die_with_parent
+from kvtier.processes import die_with_parent
 from kvtier.errors import KvtierError
 
 

@@ -16,6 +16,7 @@ import stat
 import numpy as np
 
 from kvtier.errors import SegmentError
+from kvtier.processes import pid_alive
 from kvtier.tiers.segment import SHM_DIR
 from kvtier.tiers.slots import (HEADER_OFF, SLOT_HDR, SLOT_HEADER, SLOT_MAGIC, Flags, Kind, SlotHeader,
                                 checksum, parse_segment_header)
@@ -25,16 +26,6 @@ _FLAGS_OFF = 4
 
 def staging_prefix(node: str) -> str:
     return f"kvtier.{node}.stage."
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StagingFile:
@@ -134,7 +125,7 @@ class StagingSegments:
                 pid = int(name[len(self._prefix):].split(".")[0])
             except ValueError:
                 continue
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 continue
             f = self._open.pop(name, None)
             if f is not None:

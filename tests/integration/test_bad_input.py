@@ -149,7 +149,7 @@ async def test_put_naming_a_bogus_staging_segment_is_a_counted_drop(daemon_facto
 
 
 WRITER = textwrap.dedent("""
-    import sys, time, torch
+    import signal, sys, torch
     from kvtier.client import SyncClient
     c = SyncClient(sys.argv[1])
     keys = c.block_keys("t", list(range(16 * 4)), salt=b"proc")
@@ -160,7 +160,7 @@ WRITER = textwrap.dedent("""
     print(res.staged, flush=True)
     if sys.argv[2] == "hang":
         c.put("t", c.block_keys("t", list(range(16)), salt=b"hang"), kv[:1])
-        time.sleep(600)  # killed by the test
+        signal.pause()  # until the test kills it
     c.close()
 """)
 
