@@ -38,9 +38,25 @@ def _summary_row(out: str, tier: str) -> list[int]:
     return [int(float(x)) for x in m.group(1).split()]
 
 
-def test_demo_moves_blocks_between_tiers_and_reads_no_wrong_bytes():
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--duration", "8", "--clients", "2"],
-                         capture_output=True, text=True, timeout=180)
+SMALL = """
+[pools.demo]
+model = "demo"
+layers = 4
+kv_heads = 2
+head_dim = 64
+dtype = "float16"
+device = "cpu"
+gpu_blocks = 8
+cpu_blocks = 24
+"""
+
+
+def test_demo_moves_blocks_between_tiers_and_reads_no_wrong_bytes(tmp_path):
+    # Small tiers, so that even a slow (loaded) machine pushes blocks all the way down in 8 s.
+    cfg = tmp_path / "small.toml"
+    cfg.write_text(SMALL)
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--duration", "8", "--clients", "2",
+                          "--config", str(cfg)], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "wrong blocks read: 0" in out.stdout
     assert out.stdout.count("t=") >= 3, "progress is printed while it runs"
