@@ -5,6 +5,14 @@ from __future__ import annotations
 COLUMNS = ("blocks", "capacity", "hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
 
 
+def _latency(t: dict) -> str:
+    """Mean and worst transfer into the tier, in ms."""
+    n = t.get("transfers", 0)
+    if not n:
+        return f"{'-':>15}"
+    return f"{1000 * t['transfer_s'] / n:>7.2f}/{1000 * t['transfer_max_s']:<7.1f}"
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
@@ -16,11 +24,11 @@ def render_status(stats: dict) -> str:
             f"pool {name}: block {_mib(pool['block_bytes'])} MiB  puts {pool['puts']}  "
             f"dropped {pool['puts_dropped']}  misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
         )
-        lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "     MiB")
+        lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "     MiB  in ms avg/max")
         for tier in ("gpu", "cpu", "redis"):
             t = pool["tiers"][tier]
             cells = " ".join(f"{'-' if t.get(c) is None else t.get(c):>11}" for c in COLUMNS)
-            lines.append(f"  {tier:<6} {cells} {_mib(t['bytes']):>7}")
+            lines.append(f"  {tier:<6} {cells} {_mib(t['bytes']):>7}  {_latency(t)}")
     bus = stats.get("bus", {})
     if bus:
         lines.append("bus: " + "  ".join(f"{k} {v}" for k, v in sorted(bus.items())))

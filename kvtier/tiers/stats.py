@@ -15,6 +15,14 @@ class TierCounters:
     bytes_in: int = 0  # payload bytes written into this tier
     failed: int = 0  # transfers into this tier that did not complete (counted misses)
     refused: int = 0  # evictions refused because no lower tier held the block
+    transfers: int = 0  # completed stores, promotions and demotions into this tier
+    transfer_s: float = 0.0  # their total time, from command receipt to visible
+    transfer_max_s: float = 0.0
+
+    def timed(self, seconds: float) -> None:
+        self.transfers += 1
+        self.transfer_s += seconds
+        self.transfer_max_s = max(self.transfer_max_s, seconds)
 
 
 @dataclass(slots=True)

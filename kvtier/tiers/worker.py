@@ -9,6 +9,8 @@ idempotent, because delivery is at least once. A failed transfer is a `removed` 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import redis.exceptions
 
@@ -48,12 +50,15 @@ class TierWorker:
         target = {Store: "tier", Promote: "dst", Demote: "dst", Evict: "tier"}.get(type(ev))
         if target is None or getattr(ev, target) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
+        t0 = time.perf_counter()
         if isinstance(ev, Store):
             fact = await self._store(rt, ev)
         elif isinstance(ev, Evict):
             fact = await self._evict(rt, ev)
         else:
             fact = await self._transfer(rt, ev)
+        if isinstance(fact, Stored):
+            rt.counters.tiers[self.tier.label].timed(time.perf_counter() - t0)
         if fact is not None:
             self._facts.append(fact)
 

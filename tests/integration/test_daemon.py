@@ -170,3 +170,25 @@ async def test_warm_restart_keeps_the_cpu_arena(daemon_factory):
         d.stop()
         os.unlink(f"/dev/shm/{arena}")
     assert "reattached" in d.log_tail(20000)
+
+
+async def test_status_shows_tiers_counters_and_transfer_latency(daemon_factory):
+    import json
+    import subprocess
+    import sys
+
+    d = daemon_factory()
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(16 * 3)), salt=b"status")
+        await client.put("t", keys, make_kv(3, seed=8))
+        assert await client.wait_resident("t", keys, timeout=10)
+    await async_wait_until(lambda: d.pool_stats().get("tiers", {}).get("gpu", {}).get("transfers", 0) >= 3,
+                           message="three timed stores")
+    cmd = [sys.executable, "-m", "kvtier.cli", "status", "--runtime-dir", str(d.runtime_dir)]
+    raw = json.loads(subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    gpu = raw["pools"]["t"]["tiers"]["gpu"]
+    assert gpu["blocks"] == 3 and gpu["stored"] == 3 and 0 < gpu["transfer_s"] <= 3 * gpu["transfer_max_s"]
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    row = next(line for line in table.splitlines() if line.strip().startswith("gpu"))
+    assert row.split()[1:3] == ["3", "8"], table  # blocks, capacity
+    assert "/" in row.split()[-1], "mean/max transfer ms"
