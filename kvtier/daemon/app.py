@@ -81,6 +81,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict:
         "block_bytes": rt.layout.block_bytes,
         "puts": rt.counters.puts,
         "puts_dropped": rt.counters.puts_dropped,
+        "hits": rt.counters.hits,
         "misses": rt.counters.misses,
         "redis_corrupt": rt.redis.stats.corrupt,
         "redis_errors": rt.redis.stats.errors,

@@ -44,6 +44,7 @@ class Coordinator:
                 t = rt.placement.where(key)
                 if t is not None and t != Tier.REDIS:
                     rt.counters.tiers[t.label].hits += 1
+            rt.counters.hits += len(ev.keys)
             rt.counters.misses += ev.missed
             cmds = rt.placement.on_access(ev.keys, time.monotonic())
         elif isinstance(ev, Prefetch):

@@ -8,7 +8,9 @@ Rules (config `[policy]`):
   written to Redis, so a burst of puts is not dropped while write-backs catch up.
 - Above `high_watermark` of its slots, a tier sheds its coldest evictable blocks down to
   `low_watermark`: a block the next tier already holds is evicted at once; any other is demoted
-  (write-back) and stays readable, pinned, until the next tier reports it stored.
+  (write-back) and stays readable, pinned, until the next tier reports it stored. Candidates
+  are the tier's LRU leaves (no resident child in the same tier); a cpu block is also kept
+  while a child of it sits in gpu, so no block leaves the node before its extensions.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
 - A prefetch promotes the blocks that are not local from Redis into cpu, and leases them for
   `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
@@ -194,7 +196,7 @@ class Placement:
         for key in list(idx.candidates()):
             if excess <= 0:
                 break
-            if key in self._leases:
+            if key in self._leases or self._extended_above(t, key):
                 continue
             e = idx.get(key)
             assert e is not None
@@ -219,6 +221,11 @@ class Placement:
         for e in idx.ready():
             # A block already leaving for the tier below counts: its pin is ours, not a reader's.
             if (e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower
-                    and e.key not in self._leases):
+                    and e.key not in self._leases and not self._extended_above(t, e.key)):
                 return e.key
         return None
+
+    def _extended_above(self, t: Tier, key: bytes) -> bool:
+        """Leaving cpu means leaving the node. A block whose extension is still resident in gpu
+        must stay: without it every lookup of that prefix stops short of the cached tail."""
+        return t == Tier.CPU and self.tiers[Tier.GPU].children(key) > 0

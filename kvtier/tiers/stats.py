@@ -27,6 +27,7 @@ class TierCounters:
 
 @dataclass(slots=True)
 class PoolCounters:
+    hits: int = 0  # blocks clients read (their tier is counted per tier when still known)
     misses: int = 0  # blocks clients asked for past their hit prefix
     puts: int = 0  # blocks clients handed over
     puts_dropped: int = 0  # of those, dropped for want of room or bad staging

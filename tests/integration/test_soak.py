@@ -1,0 +1,90 @@
+"""A scaled-down soak: several client processes, zipf-distributed shared prefixes, a working set
+several times gpu + cpu. Nothing wrong is ever read, hot prefixes stay near the top, nothing that
+left a local tier is lost, and the daemon's counters agree with what the clients saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier.bus.codec import decode
+from kvtier.bus.events import Removed, Tier
+from kvtier.client import Client
+from kvtier.demo import shared_prompts
+from kvtier.tiers.redis_blocks import redis_block_key
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+SOAK_S = float(os.environ.get("KVTIER_SOAK_S", "45"))
+CLIENTS = 3
+PREFIXES = 24  # ~380 blocks of shared prompts alone, against 16 + 48 local slots
+
+
+async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory, redis_server, tmp_path):
+    d = daemon_factory(gpu=16, cpu=48)
+    prompts = shared_prompts(PREFIXES)
+    assert sum(len(p) // 16 for p in prompts) >= 3 * (16 + 48)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    workers = [subprocess.Popen([sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir",
+                                 str(d.runtime_dir), "--pool", "t", "--prefixes", str(PREFIXES), "--seed", str(i),
+                                 "--report", str(tmp_path / f"w{i}.json")], env=env)
+               for i in range(CLIENTS)]
+    try:
+        deadline = time.monotonic() + SOAK_S
+        wait_until(lambda: time.monotonic() > deadline or any(w.poll() is not None for w in workers),
+                   timeout=SOAK_S + 5, interval=0.5)
+        assert all(w.poll() is None for w in workers), "a client died during the soak"
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.wait(30)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(CLIENTS)]
+    total = {k: sum(r[k] for r in reports) for k in reports[0]}
+    assert total["requests"] > 50 and total["local_hits"] > 0 and total["redis_hits"] > 0, total
+
+    # 1. Zero wrong bytes, every read checked against the block's known content.
+    assert total["wrong_blocks"] == 0
+
+    r = redis_server.client()
+    facts_stream = f"kvtier:{{{d.node}}}:facts"
+    # Let the daemon finish what the clients sent (their access reports are flushed on exit).
+    wait_until(lambda: all(g["pending"] == 0 and g["lag"] == 0 for s in (f"kvtier:{{{d.node}}}:client", facts_stream)
+                           for g in r.xinfo_groups(s)), timeout=20, message="daemon drained its streams")
+    wait_until(lambda: d.pool_stats().get("hits", -1) == total["local_hits"], timeout=10,
+               message="daemon hit count caught up")
+    stats = d.pool_stats()
+
+    # 2. The daemon's counters agree with what the clients saw.
+    assert stats["hits"] == total["local_hits"]
+    assert stats["misses"] == total["blocks"] - total["local_hits"]
+    assert stats["puts"] == total["put_staged"]
+    tiers = stats["tiers"]
+    assert tiers["gpu"]["hits"] + tiers["cpu"]["hits"] <= stats["hits"]
+
+    async with await Client.connect(d.runtime_dir) as client:
+        # 3. Every block that left a local tier is still local or in Redis (no silent loss).
+        left = set()
+        for _id, fields in r.xrange(facts_stream):
+            ev = decode(fields[b"e"]).event
+            if isinstance(ev, Removed) and ev.tier in (Tier.GPU, Tier.CPU) and ev.cause.startswith("evict:"):
+                left.add(ev.key)
+        assert left, "the soak must have pushed blocks out of the local tiers"
+        lost = [k for k in left if client.lookup("t", [k]).length == 0 and not r.exists(redis_block_key("t", k))]
+        assert lost == [], f"{len(lost)} of {len(left)} evicted blocks are nowhere"
+
+        # 4. Hot prefixes sit in the upper tiers: the hottest prompt's head is resident here.
+        hot = client.block_keys("t", prompts[0], salt=b"demo")
+        cold = client.block_keys("t", prompts[-1], salt=b"demo")
+        assert client.lookup("t", hot).length >= 1
+        assert client.lookup("t", hot).length >= client.lookup("t", cold).length
+    r.close()
+    print(f"\nsoak {SOAK_S:.0f}s: {total['requests']} requests, {total['local_hits']}/{total['blocks']} blocks "
+          f"from shm, {total['redis_hits']} via Redis; gpu hits {tiers['gpu']['hits']}, cpu hits "
+          f"{tiers['cpu']['hits']}; {len(left)} blocks left a local tier, none lost")
