@@ -114,6 +114,9 @@ class PolicyConfig:
     promote_after_hits: int = setting(integer(1), 2)
     prefetch_lease_s: float = setting(number(gt=0), 5.0)
     transfer_timeout_s: float = setting(number(gt=0), 30.0)
+    redis_write: str = setting(choice("write-back", "write-through"), "write-back", text=True)
+    redis_admit_after_hits: int = setting(integer(0), 0)
+    prefetch_to: str = setting(choice("cpu", "gpu"), "cpu", text=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Three families (DESIGN.md, "Bus"):
 - client events (inference worker -> daemon): Access, Put, Prefetch;
-- tier commands (-> one tier worker's stream): Store, Promote, Demote, Evict;
+- tier commands (-> one tier worker's stream): Store, Promote, Demote, Copy, Evict;
 - tier facts (tier worker -> facts stream): Stored, Removed.
 """
 
@@ -118,6 +118,18 @@ class Demote:
 
 
 @dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy `key` from `src` into `dst` and keep both (write-through to Redis)."""
+
+    TYPE: ClassVar[str] = "copy"
+    pool: str
+    key: BlockKey
+    parent: BlockKey | None
+    src: Tier
+    dst: Tier
+
+
+@dataclass(frozen=True, slots=True)
 class Evict:
     """Drop `key` from `tier`. The worker refuses unless a lower tier holds it or `reason` allows a drop."""
 
@@ -155,9 +167,9 @@ class Removed:
     cause: str
 
 
-Event = Access | Put | Prefetch | Store | Promote | Demote | Evict | Stored | Removed
+Event = Access | Put | Prefetch | Store | Promote | Demote | Copy | Evict | Stored | Removed
 EVENT_TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (Access, Put, Prefetch, Store, Promote, Demote, Evict, Stored, Removed)
+    cls.TYPE: cls for cls in (Access, Put, Prefetch, Store, Promote, Demote, Copy, Evict, Stored, Removed)
 }
 
 

@@ -69,7 +69,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict:
         c = rt.counters.tiers[t.label]
         # Redis: blocks this daemon wrote and has not deleted (TTL expiry and other nodes'
         # writes are not seen); local tiers: blocks resident now.
-        blocks = max(0, c.stored + c.demoted_in - c.evicted) if t == Tier.REDIS else idx.used
+        blocks = max(0, c.stored + c.demoted_in + c.copied_in - c.evicted) if t == Tier.REDIS else idx.used
         tiers[t.label] = {
             "blocks": blocks,
             "capacity": idx.capacity,

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import time
 
-from kvtier.bus.events import Access, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
+from kvtier.bus.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent
 from kvtier.tiers.pool import PoolRuntime
 
 
-def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Evict) -> str:
-    if isinstance(cmd, (Promote, Demote)):
+def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Copy | Evict) -> str:
+    if isinstance(cmd, (Promote, Demote, Copy)):
         return names.tier(cmd.dst)
     return names.tier(cmd.tier)
 

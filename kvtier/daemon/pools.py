@@ -12,7 +12,7 @@ from kvtier.tiers import gpu as gpu_mem
 from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
 from kvtier.tiers.index import TierIndex
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.policy import Placement, PolicyKnobs
+from kvtier.tiers.policy import Placement, PolicyKnobs, RedisWrite
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.redis_blocks import RedisBlocks
 from kvtier.tiers.segment import ShmSegment
@@ -88,8 +88,16 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
     else:
         log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
 
-    knobs = PolicyKnobs(policy.high_watermark, policy.low_watermark, policy.promote_after_hits,
-                        policy.prefetch_lease_s, policy.transfer_timeout_s)
+    knobs = PolicyKnobs(
+        high_watermark=policy.high_watermark,
+        low_watermark=policy.low_watermark,
+        promote_after_hits=policy.promote_after_hits,
+        prefetch_lease_s=policy.prefetch_lease_s,
+        transfer_timeout_s=policy.transfer_timeout_s,
+        redis_write=RedisWrite(policy.redis_write),
+        redis_admit_after_hits=policy.redis_admit_after_hits,
+        prefetch_to=Tier[policy.prefetch_to.upper()],
+    )
     return PoolRuntime(
         cfg=cfg,
         layout=layout,

@@ -12,7 +12,12 @@ Rules (config `[policy]`):
   are the tier's LRU leaves (no resident child in the same tier); a cpu block is also kept
   while a child of it sits in gpu, so no block leaves the node before its extensions.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
-- A prefetch promotes the blocks that are not local from Redis into cpu, and leases them for
+- Redis writes are write-back (when cpu sheds a block) or write-through (a `copy` as soon as a
+  block is stored locally), per `redis_write`. With `redis_admit_after_hits` = N > 0 only blocks
+  read N times go to Redis (write-through copies them on the N-th read); cpu drops the others
+  when it sheds them, with the reason "unreused" (Dynamo's frequency filter).
+- A prefetch promotes the blocks that are not local from Redis into `prefetch_to` (cpu, or gpu
+  while it has room), and leases them for
   `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
   prefetch into a full tier is not undone before the client gets to read it.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
@@ -23,11 +28,23 @@ Time is passed in (`now`), never read here.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.tiers.index import State, TierIndex
+
+
+class RedisWrite(enum.Enum):
+    """When blocks go to Redis (config `[policy] redis_write`)."""
+
+    WRITE_BACK = "write-back"  # when the cpu tier sheds them
+    WRITE_THROUGH = "write-through"  # as soon as they are stored locally
+
+
+# Evict reasons that may drop a block no lower tier holds: documented rules, not accidents.
+DROP_REASONS = frozenset({"unreused"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +54,12 @@ class PolicyKnobs:
     promote_after_hits: int = 2
     prefetch_lease_s: float = 5.0
     transfer_timeout_s: float = 30.0
+    redis_write: RedisWrite = RedisWrite.WRITE_BACK
+    redis_admit_after_hits: int = 0  # 0: every block may go to Redis
+    prefetch_to: Tier = Tier.CPU
 
 
-Command = Store | Promote | Demote | Evict
+Command = Store | Promote | Demote | Copy | Evict
 LOCAL = (Tier.GPU, Tier.CPU)
 
 
@@ -110,19 +130,35 @@ class Placement:
                     and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
                 self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
+            e = g or c
+            if (e is not None and self.knobs.redis_write is RedisWrite.WRITE_THROUGH
+                    and self.knobs.redis_admit_after_hits and e.hits == self.knobs.redis_admit_after_hits
+                    and key not in self.tiers[Tier.REDIS]):
+                out.append(Copy(self.pool, key, e.parent, Tier.GPU if g is not None else Tier.CPU, Tier.REDIS))
         return out
+
+    def _reused(self, key: bytes) -> bool:
+        """Whether Redis should admit this block (the frequency filter)."""
+        n = self.knobs.redis_admit_after_hits
+        return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
 
     def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None, now: float) -> list[Command]:
         out: list[Command] = []
         expiry = now + self.knobs.prefetch_lease_s
         cpu = self.tiers[Tier.CPU]
         parent = head_parent
+        to_gpu = self.knobs.prefetch_to == Tier.GPU and bool(self.tiers[Tier.GPU].capacity)
         for key in keys:
-            local = [self.tiers[t].get(key) for t in LOCAL]
-            if all(e is None for e in local):
-                if key not in self._incoming[Tier.CPU]:
-                    out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
-                    self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
+            g, c = (self.tiers[t].get(key) for t in LOCAL)
+            if g is None and c is None:
+                dst = Tier.GPU if to_gpu and self.room(Tier.GPU) > 0 else Tier.CPU
+                if all(key not in self._incoming[t] for t in LOCAL):
+                    out.append(Promote(self.pool, key, parent, Tier.REDIS, dst, -1, 0))
+                    self._incoming[dst][key] = now + self.knobs.transfer_timeout_s
+            elif (to_gpu and g is None and c is not None and c.state is State.READY
+                  and self.room(Tier.GPU) > 0 and key not in self._incoming[Tier.GPU]):
+                out.append(Promote(self.pool, key, parent, Tier.CPU, Tier.GPU, c.slot, 0))
+                self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
             else:
                 cpu.touch(key)
             self._leases[key] = expiry
@@ -146,13 +182,17 @@ class Placement:
                 self._unmark(src, fact.key)
         if isinstance(fact, Removed) and fact.cause.startswith("evict:"):
             self._leaving.pop((fact.tier, fact.key), None)
+        if (isinstance(fact, Stored) and fact.tier in LOCAL and fact.cause == Store.TYPE
+                and self.knobs.redis_write is RedisWrite.WRITE_THROUGH and not self.knobs.redis_admit_after_hits
+                and fact.key not in self.tiers[Tier.REDIS]):
+            return [Copy(self.pool, fact.key, fact.parent, fact.tier, Tier.REDIS)]
         return []
 
     def revert(self, cmds: Iterable[Command]) -> None:
         """The commands were never published: undo what deciding them marked."""
         for c in cmds:
             dst = c.tier if isinstance(c, (Store, Evict)) else c.dst
-            if dst in self._incoming and not isinstance(c, Evict):
+            if dst in self._incoming and not isinstance(c, (Evict, Copy)):
                 self._incoming[dst].pop(c.key, None)
             if isinstance(c, (Demote, Evict)):
                 self._unmark(c.src if isinstance(c, Demote) else c.tier, c.key)
@@ -202,6 +242,8 @@ class Placement:
             assert e is not None
             if key in self.tiers[lower]:
                 out.append(Evict(self.pool, key, t, "clean"))
+            elif lower == Tier.REDIS and not self._reused(key):
+                out.append(Evict(self.pool, key, t, "unreused"))  # the frequency filter's drop
             else:
                 out.append(Demote(self.pool, key, e.parent, t, lower, e.slot, 0))
                 if lower in self._incoming:

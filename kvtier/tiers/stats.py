@@ -11,6 +11,7 @@ class TierCounters:
     stored: int = 0  # new blocks admitted from clients
     promoted_in: int = 0  # blocks copied up into this tier
     demoted_in: int = 0  # blocks written back into this tier
+    copied_in: int = 0  # blocks written through into this tier (copies; the source keeps its own)
     evicted: int = 0  # blocks dropped from this tier
     bytes_in: int = 0  # payload bytes written into this tier
     failed: int = 0  # transfers into this tier that did not complete (counted misses)

@@ -14,11 +14,12 @@ import time
 import numpy as np
 import redis.exceptions
 
-from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.tiers.directory import IN_REDIS
 from kvtier.tiers.local import LocalTier
+from kvtier.tiers.policy import DROP_REASONS
 from kvtier.tiers.pool import PoolRuntime
 
 Fact = Stored | Removed
@@ -47,7 +48,7 @@ class TierWorker:
         rt = self.pools.get(getattr(ev, "pool", ""))
         if rt is None:
             raise MalformedEvent(f"unknown pool {getattr(ev, 'pool', None)!r}")
-        target = {Store: "tier", Promote: "dst", Demote: "dst", Evict: "tier"}.get(type(ev))
+        target = {Store: "tier", Promote: "dst", Demote: "dst", Copy: "dst", Evict: "tier"}.get(type(ev))
         if target is None or getattr(ev, target) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
         t0 = time.perf_counter()
@@ -126,7 +127,7 @@ class TierWorker:
 
     # --- promote / demote: another tier -> this tier -------------------------------------------
 
-    async def _transfer(self, rt: PoolRuntime, ev: Promote | Demote) -> Fact:
+    async def _transfer(self, rt: PoolRuntime, ev: Promote | Demote | Copy) -> Fact:
         dst = rt.local(self.tier)
         if self.tier != Tier.REDIS:
             if dst is None:
@@ -151,13 +152,15 @@ class TierWorker:
         c = rt.counters.tiers[self.tier.label]
         if isinstance(ev, Promote):
             c.promoted_in += 1
-        else:
+        elif isinstance(ev, Demote):
             c.demoted_in += 1
+        else:
+            c.copied_in += 1
         c.bytes_in += rt.layout.block_bytes
         self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
         return Stored(rt.name, ev.key, ev.parent, self.tier, slot, ev.TYPE)
 
-    async def _read_source(self, rt: PoolRuntime, ev: Promote | Demote) -> tuple[np.ndarray, int] | None:
+    async def _read_source(self, rt: PoolRuntime, ev: Promote | Demote | Copy) -> tuple[np.ndarray, int] | None:
         if ev.src == Tier.REDIS:
             try:
                 return await rt.redis.get(ev.key)
@@ -240,6 +243,7 @@ class TierWorker:
         safe = ev.key in rt.placement.tiers[lower]
         if safe and lower == Tier.REDIS:
             safe = await self._redis_has(rt, ev.key)
+        safe = safe or ev.reason in DROP_REASONS  # a documented drop (the frequency filter)
         if not safe:
             # The only copy: refuse rather than lose it. The policy may choose it again later,
             # and will then demote it first.

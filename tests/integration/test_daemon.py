@@ -192,3 +192,22 @@ async def test_status_shows_tiers_counters_and_transfer_latency(daemon_factory):
     row = next(line for line in table.splitlines() if line.strip().startswith("gpu"))
     assert row.split()[1:3] == ["3", "8"], table  # blocks, capacity
     assert "/" in row.split()[-1], "mean/max transfer ms"
+
+
+async def test_write_through_puts_blocks_in_redis_while_they_stay_local(daemon_factory, redis_server):
+    d = daemon_factory(extra='[policy]\nredis_write = "write-through"\n')
+    r = redis_server.client()
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(16 * 4)), salt=b"through")
+        kv = make_kv(4, seed=12)
+        await client.put("t", keys, kv)
+        assert await client.wait_resident("t", keys, timeout=10)
+        await async_wait_until(lambda: all(r.exists(redis_block_key("t", k)) for k in keys), timeout=10,
+                               message="every stored block copied to redis")
+        assert client.lookup("t", keys).length == 4, "the local copies stay"
+        raw = r.get(redis_block_key("t", keys[2]))
+        payload, _ = unpack_block(raw, client.pool("t").fingerprint, keys[2], client.pool("t").block_bytes)
+        assert bytes(payload) == bytes(kv[2].contiguous().view(torch.uint8).reshape(-1).numpy())
+    assert d.stop() == 0
+    assert d.pool_stats()["tiers"]["redis"]["copied_in"] == 4
+    r.close()

@@ -1,0 +1,91 @@
+"""The configurable placement rules: write-through, the Redis frequency filter, prefetch target."""
+
+from __future__ import annotations
+
+from kvtier.bus.codec import decode, encode
+from kvtier.bus.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
+from kvtier.config import load_config
+from kvtier.tiers.policy import DROP_REASONS, RedisWrite
+from tests.unit.test_policy import NOW, POOL, k, placement, put
+
+THROUGH = RedisWrite.WRITE_THROUGH
+
+
+def test_policy_choices_are_enums_built_from_config_values() -> None:
+    assert RedisWrite("write-through") is THROUGH and RedisWrite("write-back") is RedisWrite.WRITE_BACK
+    cfg = load_config(None, {"KVTIER__POLICY__REDIS_WRITE": "write-through", "KVTIER__POLICY__PREFETCH_TO": "gpu",
+                             "KVTIER__POLICY__REDIS_ADMIT_AFTER_HITS": "2"})
+    assert (cfg.policy.redis_write, cfg.policy.prefetch_to, cfg.policy.redis_admit_after_hits) == ("write-through", "gpu", 2)
+
+
+def test_copy_roundtrips_through_the_codec() -> None:
+    env = Envelope(Copy(POOL, k(1), k(0), Tier.CPU, Tier.REDIS), "p", 1, 2)
+    assert decode(encode(env)) == env
+
+
+def test_write_back_never_copies_on_store() -> None:
+    p = placement()
+    put(p, Tier.GPU, [1])
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.GPU, 0, "store")) == []
+
+
+def test_write_through_copies_a_stored_block_to_redis_once() -> None:
+    p = placement(redis_write=THROUGH)
+    put(p, Tier.CPU, [1])
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 0, "store")) == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    p.tiers[Tier.REDIS].add(k(1), None)  # the copy landed
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 0, "store")) == [], "a duplicate fact copies nothing"
+    # Promotions and demotions are not new blocks: nothing to write through.
+    assert p.on_fact(Stored(POOL, k(2), None, Tier.GPU, 1, "promote")) == []
+
+
+def test_write_through_makes_shedding_an_eviction_not_a_write_back() -> None:
+    p = placement(gpu=0, cpu=4, redis_write=THROUGH)
+    put(p, Tier.CPU, [1, 2, 3, 4])
+    for i in (1, 2, 3, 4):
+        p.tiers[Tier.REDIS].add(k(i), None)
+    cmds = p.pressure(NOW)
+    assert cmds and all(isinstance(c, Evict) and c.reason == "clean" for c in cmds)
+
+
+def test_frequency_filter_drops_unread_blocks_and_writes_back_reused_ones() -> None:
+    p = placement(gpu=0, cpu=4, redis_admit_after_hits=2)
+    put(p, Tier.CPU, [1, 2, 3, 4])
+    p.on_access([k(1), k(1)], NOW)  # k1 reused twice; the others never read
+    p.on_access([k(2)], NOW)  # k2 once: not enough
+    cmds = {c.key: c for c in p.pressure(NOW)}
+    dropped = [c for c in cmds.values() if isinstance(c, Evict)]
+    assert dropped and all(c.reason == "unreused" and c.reason in DROP_REASONS for c in dropped)
+    assert k(1) not in {c.key for c in dropped}, "a reused block is never dropped by the filter"
+    # Shed everything: the reused block goes to Redis by write-back.
+    p2 = placement(gpu=0, cpu=1, redis_admit_after_hits=2, low_watermark=0.01, high_watermark=0.5)
+    put(p2, Tier.CPU, [7])
+    p2.on_access([k(7), k(7)], NOW)
+    assert p2.pressure(NOW) == [Demote(POOL, k(7), None, Tier.CPU, Tier.REDIS, 0, 0)]
+
+
+def test_write_through_with_the_filter_copies_on_the_nth_read() -> None:
+    p = placement(redis_write=THROUGH, redis_admit_after_hits=2)
+    put(p, Tier.CPU, [1])
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 0, "store")) == [], "not reused yet"
+    assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == []
+    assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == [], "once"
+
+
+def test_prefetch_to_gpu_promotes_there_while_it_has_room() -> None:
+    p = placement(gpu=1, cpu=4, prefetch_to=Tier.GPU)
+    put(p, Tier.CPU, [5])
+    cmds = p.on_prefetch([k(1), k(2)], None, NOW)
+    assert cmds == [Promote(POOL, k(1), None, Tier.REDIS, Tier.GPU, -1, 0),
+                    Promote(POOL, k(2), k(1), Tier.REDIS, Tier.CPU, -1, 0)], "gpu full after one: cpu"
+    q = placement(gpu=2, cpu=4, prefetch_to=Tier.GPU)
+    put(q, Tier.CPU, [5])
+    assert q.on_prefetch([k(5)], None, NOW) == [Promote(POOL, k(5), None, Tier.CPU, Tier.GPU, 0, 0)]
+
+
+def test_reverting_a_copy_changes_nothing() -> None:
+    p = placement(gpu=1, cpu=1)
+    before = (p.room(Tier.GPU), p.room(Tier.CPU))
+    p.revert([Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)])
+    assert (p.room(Tier.GPU), p.room(Tier.CPU)) == before
