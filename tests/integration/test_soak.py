@@ -1,6 +1,9 @@
 """A scaled-down soak: several client processes, zipf-distributed shared prefixes, a working set
 several times gpu + cpu. Nothing wrong is ever read, hot prefixes stay near the top, nothing that
-left a local tier is lost, and the daemon's counters agree with what the clients saw."""
+left a local tier is lost, and the daemon's counters agree with what the clients saw.
+
+CI runs it for 45 s. For a long run: KVTIER_SOAK_S=600 .venv/bin/python -m pytest tests/integration/test_soak.py -s
+"""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ CLIENTS = 3
 PREFIXES = 24  # ~380 blocks of shared prompts alone, against 16 + 48 local slots
 
 
+@pytest.mark.timeout(SOAK_S + 120)
 async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory, redis_server, tmp_path):
     d = daemon_factory(gpu=16, cpu=48)
     prompts = shared_prompts(PREFIXES)
