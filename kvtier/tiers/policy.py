@@ -10,7 +10,9 @@ Rules (config `[policy]`):
   `low_watermark`: a block the next tier already holds is evicted at once; any other is demoted
   (write-back) and stays readable, pinned, until the next tier reports it stored. Candidates
   are the tier's LRU leaves (no resident child in the same tier); a cpu block is also kept
-  while a child of it sits in gpu, so no block leaves the node before its extensions.
+  while a child of it sits in gpu, so no block leaves the node before its extensions. When cpu
+  has no room, gpu writes its victims straight to Redis: cpu may be full of exactly those
+  protected parents, and waiting for it would freeze both tiers.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
 - Redis writes are write-back (when cpu sheds a block) or write-through (a `copy` as soon as a
   block is stored locally), per `redis_write`. With `redis_admit_after_hits` = N > 0 only blocks
@@ -19,7 +21,8 @@ Rules (config `[policy]`):
 - A prefetch promotes the blocks that are not local from Redis into `prefetch_to` (cpu, or gpu
   while it has room), and leases them for
   `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
-  prefetch into a full tier is not undone before the client gets to read it.
+  prefetch into a full tier is not undone before the client gets to read it. Leases cover at
+  most half the local slots, so prefetches cannot crowd out the blocks that are being read.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
   Redis restart) cannot shrink a tier's room or pin a block for ever.
@@ -161,9 +164,16 @@ class Placement:
                 self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
             else:
                 cpu.touch(key)
-            self._leases[key] = expiry
+            if len(self._leases) < self._lease_cap:
+                self._leases[key] = expiry
             parent = key
         return out
+
+    @property
+    def _lease_cap(self) -> int:
+        """Leases may cover at most half the local slots: prefetches must not pin the whole tier
+        and push out the hot blocks that are read, not prefetched."""
+        return sum(self.tiers[t].capacity or 0 for t in LOCAL) // 2
 
     def on_fact(self, fact: Stored | Removed) -> list[Command]:
         """Settle what was in flight; finish write-backs: once the next tier stored a demoted
@@ -172,12 +182,20 @@ class Placement:
         if fact.tier in self._incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
             self._incoming[fact.tier].pop(fact.key, None)
         if fact.tier != Tier.GPU and cause == Demote.TYPE:
-            src = Tier(fact.tier - 1)
+            src = self._demote_source(fact.tier, fact.key)
             if isinstance(fact, Stored):
-                if self.tiers[src].get(fact.key) is not None:
-                    if (src, fact.key) in self._leaving:  # the write-back's last step gets a full timeout
-                        self._leaving[(src, fact.key)] += self.knobs.transfer_timeout_s
-                    return [Evict(self.pool, fact.key, src, "demoted")]
+                e = self.tiers[src].get(fact.key)
+                # Only a block still on its way out may go; a redelivered fact must not evict a
+                # block that has since come back. And a child may have arrived meanwhile: then
+                # the parent stays (tail first) and the copy below is merely a spare.
+                if e is None or not e.leaving:
+                    return []
+                if self.tiers[src].children(fact.key) or e.pins > 1:
+                    self._unmark(src, fact.key)
+                    return []
+                if (src, fact.key) in self._leaving:  # a full timeout for the last step
+                    self._leaving[(src, fact.key)] += self.knobs.transfer_timeout_s
+                return [Evict(self.pool, fact.key, src, "demoted")]
             else:  # the demote failed: the block stays where it was and may be chosen again
                 self._unmark(src, fact.key)
         if isinstance(fact, Removed) and fact.cause.startswith("evict:"):
@@ -187,6 +205,14 @@ class Placement:
                 and fact.key not in self.tiers[Tier.REDIS]):
             return [Copy(self.pool, fact.key, fact.parent, fact.tier, Tier.REDIS)]
         return []
+
+    def _demote_source(self, dst: Tier, key: bytes) -> Tier:
+        """The tier a demote into `dst` came from: the one above it where the block is leaving
+        (gpu demotes straight to Redis when cpu is full), else the tier right above."""
+        for t in LOCAL:
+            if t < dst and (e := self.tiers[t].get(key)) is not None and e.leaving:
+                return t
+        return Tier(dst - 1)
 
     def revert(self, cmds: Iterable[Command]) -> None:
         """The commands were never published: undo what deciding them marked."""
@@ -240,14 +266,19 @@ class Placement:
                 continue
             e = idx.get(key)
             assert e is not None
-            if key in self.tiers[lower]:
+            dst = lower
+            if lower == Tier.CPU and key not in self.tiers[lower] and self.room(Tier.CPU) <= 0:
+                # cpu is full, perhaps of the very parents of these gpu blocks, which may not
+                # leave before them: write the gpu block straight to Redis rather than deadlock.
+                dst = Tier.REDIS
+            if key in self.tiers[dst]:
                 out.append(Evict(self.pool, key, t, "clean"))
-            elif lower == Tier.REDIS and not self._reused(key):
+            elif dst == Tier.REDIS and not self._reused(key):
                 out.append(Evict(self.pool, key, t, "unreused"))  # the frequency filter's drop
             else:
-                out.append(Demote(self.pool, key, e.parent, t, lower, e.slot, 0))
-                if lower in self._incoming:
-                    self._incoming[lower][key] = give_up
+                out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))
+                if dst in self._incoming:
+                    self._incoming[dst][key] = give_up
             idx.mark_leaving(key)  # readable until the worker acts, never picked twice
             self._leaving[(t, key)] = give_up
             excess -= 1

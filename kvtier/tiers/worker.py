@@ -193,6 +193,7 @@ class TierWorker:
                 continue
             self._drop(rt, dst, victim)
             rt.counters.tiers[self.tier.label].evicted += 1
+            self._facts.append(Removed(rt.name, victim, self.tier, "evict:make_room"))  # reported like any eviction
             self.log.info("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason="make_room")
             return True
         return False
@@ -237,11 +238,18 @@ class TierWorker:
             c.evicted += 1
             return Removed(rt.name, ev.key, self.tier, f"evict:{ev.reason}")
         local = rt.local(self.tier)
-        if local is None or local.index.get(ev.key) is None:
+        entry = None if local is None else local.index.get(ev.key)
+        if entry is None:
             return None  # already gone: a duplicate
-        lower = Tier(self.tier + 1)
-        safe = ev.key in rt.placement.tiers[lower]
-        if safe and lower == Tier.REDIS:
+        if local.index.children(ev.key) or entry.pins > int(entry.leaving):
+            # Decided a moment ago, but a child has arrived or a reader holds it since: tail first,
+            # and pins are honoured at the moment of eviction, not only at the moment of choice.
+            rt.placement.refused(self.tier, ev.key)
+            c.refused += 1
+            return None
+        # Safe when a lower tier holds it: cpu (for gpu), or Redis, confirmed there first.
+        safe = self.tier == Tier.GPU and ev.key in rt.placement.tiers[Tier.CPU]
+        if not safe and ev.key in rt.placement.tiers[Tier.REDIS]:
             safe = await self._redis_has(rt, ev.key)
         safe = safe or ev.reason in DROP_REASONS  # a documented drop (the frequency filter)
         if not safe:

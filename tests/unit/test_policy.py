@@ -148,9 +148,11 @@ def test_demotes_on_their_way_down_count_toward_the_next_tier_pressure() -> None
     cmds = p.pressure(NOW)
     gpu_cmds = [c for c in cmds if isinstance(c, Demote) and c.src == Tier.GPU]
     cpu_cmds = [c for c in cmds if isinstance(c, Demote) and c.src == Tier.CPU]
-    assert len(cmds) == 7 and [c.key for c in gpu_cmds] == [k(0), k(1), k(2)]
-    # cpu: 8 used + 3 incoming = 11 > 9 -> shed to 7: four blocks go to redis.
-    assert [(c.key, c.dst) for c in cpu_cmds] == [(k(i), Tier.REDIS) for i in range(100, 104)]
+    # cpu has room for two; the third gpu victim goes straight to redis rather than wait for it.
+    assert [(c.key, c.dst) for c in gpu_cmds] == [(k(0), Tier.CPU), (k(1), Tier.CPU), (k(2), Tier.REDIS)]
+    # cpu: 8 used + 2 incoming = 10 > 9 -> shed to 7: three blocks go to redis.
+    assert [(c.key, c.dst) for c in cpu_cmds] == [(k(i), Tier.REDIS) for i in range(100, 103)]
+    assert len(cmds) == 6
 
 
 # --- facts ---------------------------------------------------------------------------------------
@@ -159,6 +161,9 @@ def test_stored_by_demote_evicts_the_upper_copy() -> None:
     put(p, Tier.GPU, [1])
     put(p, Tier.CPU, [5])
     cpu_fact = Stored(POOL, k(1), None, Tier.CPU, 3, "demote")
+    assert p.on_fact(cpu_fact) == [], "not chosen to leave: a stray or late fact evicts nothing"
+    p.tiers[Tier.GPU].mark_leaving(k(1))
+    p.tiers[Tier.CPU].mark_leaving(k(5))
     assert p.on_fact(cpu_fact) == [Evict(POOL, k(1), Tier.GPU, "demoted")]
     redis_fact = Stored(POOL, k(5), None, Tier.REDIS, -1, "demote")
     assert p.on_fact(redis_fact) == [Evict(POOL, k(5), Tier.CPU, "demoted")]
