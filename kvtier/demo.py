@@ -64,12 +64,13 @@ async def _worker(args, stop: dict) -> dict:
     weights = 1.0 / np.arange(1, len(prompts) + 1) ** 1.1  # zipf: a few prompts are hot
     weights /= weights.sum()
     r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, wrong_blocks=0, put_staged=0, put_dropped=0,
-             gpu_reads=0, cpu_reads=0)
+             gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0)
     max_blocks = max(len(p) for p in prompts) // 16 + 4
     out = torch.empty((max_blocks, *pool.shape), dtype=pool.dtype)
     try:
         while not stop["now"]:
-            tokens = prompts[rng.choice(len(prompts), p=weights)] + rng.integers(0, 128_000, 16 * int(rng.integers(1, 5))).tolist()
+            rank = int(rng.choice(len(prompts), p=weights))
+            tokens = prompts[rank] + rng.integers(0, 128_000, 16 * int(rng.integers(1, 5))).tolist()
             keys = client.block_keys(args.pool, tokens, salt=b"demo")
             found = await client.locate(args.pool, keys)
             if found.redis_length:
@@ -89,6 +90,11 @@ async def _worker(args, stop: dict) -> dict:
             r["requests"] += 1
             r["blocks"] += len(keys)
             r["local_hits"] += n
+            # The prompt part only: how well the hottest vs the colder half of prompts is served.
+            band = "hot" if rank == 0 else "cold" if rank >= len(prompts) // 2 else None
+            if band:
+                r[f"{band}_blocks"] += len(prompts[rank]) // 16
+                r[f"{band}_hits"] += min(n, len(prompts[rank]) // 16)
             if n < len(keys):  # "prefill" the rest and hand it to the daemon
                 fresh = np.stack([expected_block(k, bb) for k in keys[n:]])
                 kv = torch.from_numpy(fresh).view(pool.dtype).reshape(len(keys) - n, *pool.shape)

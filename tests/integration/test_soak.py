@@ -83,12 +83,15 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
         lost = [k for k in left if client.lookup("t", [k]).length == 0 and not r.exists(redis_block_key("t", k))]
         assert lost == [], f"{len(lost)} of {len(left)} evicted blocks are nowhere"
 
-        # 4. Hot prefixes sit in the upper tiers: the hottest prompt's head is resident here.
-        hot = client.block_keys("t", prompts[0], salt=b"demo")
-        cold = client.block_keys("t", prompts[-1], salt=b"demo")
-        assert client.lookup("t", hot).length >= 1
-        assert client.lookup("t", hot).length >= client.lookup("t", cold).length
     r.close()
+
+    # 4. Hot prefixes sit in the local tiers: over the run, the hottest prompt's blocks were read
+    # from shared memory far more often than those of the colder half of the prompts.
+    hot_rate = total["hot_hits"] / max(1, total["hot_blocks"])
+    cold_rate = total["cold_hits"] / max(1, total["cold_blocks"])
+    assert total["hot_blocks"] and total["cold_blocks"], total
+    assert hot_rate > cold_rate, (hot_rate, cold_rate)
     print(f"\nsoak {SOAK_S:.0f}s: {total['requests']} requests, {total['local_hits']}/{total['blocks']} blocks "
           f"from shm, {total['redis_hits']} via Redis; gpu hits {tiers['gpu']['hits']}, cpu hits "
-          f"{tiers['cpu']['hits']}; {len(left)} blocks left a local tier, none lost")
+          f"{tiers['cpu']['hits']}; hottest prompt {hot_rate:.0%} local, colder half {cold_rate:.0%}; "
+          f"{len(left)} blocks left a local tier, none lost")
