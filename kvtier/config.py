@@ -35,10 +35,11 @@ from kvtier.config_schema import (
     number,
     setting,
     shown,
+    size,
     string,
 )
 from kvtier.errors import KvtierError
-from kvtier.layout import DTYPE_BYTES
+from kvtier.layout import DTYPE_BYTES, BlockLayout
 
 ENV_PREFIX = "KVTIER__"
 _REDIS_URL = r"(rediss?|unix)://\S+"
@@ -133,6 +134,10 @@ class PoolConfig:
     device: str = setting(string(_DEVICE, "'auto', 'cpu', 'cuda' or 'cuda:N'"), "auto", text=True)
     gpu_blocks: int = setting(integer(0), 64)
     cpu_blocks: int = setting(integer(1), 256)
+    # Capacity in bytes instead of blocks (0: use *_blocks): the loader sets *_blocks to how
+    # many whole blocks of this layout fit.
+    gpu_bytes: int = setting(size(), 0)
+    cpu_bytes: int = setting(size(), 0)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -267,8 +272,30 @@ def _pools(raw: Any, origins: Origins, problems: list[str]) -> list[PoolConfig]:
             before = len(problems)
             values = _section(PoolConfig, table, ("pools", name), origins, problems, {})
             if len(problems) == before:
+                _capacity_from_bytes(name, table, values, origins, problems)
+            if len(problems) == before:
                 pools.append(PoolConfig(name=name, **values))
     return pools
+
+
+def _capacity_from_bytes(name: str, table: dict[str, Any], values: dict[str, Any], origins: Origins,
+                         problems: list[str]) -> None:
+    """`<tier>_bytes` > 0: derive `<tier>_blocks`, the whole blocks of this layout that fit."""
+    bb = BlockLayout(values["model"], values["layers"], values["kv_heads"], values["head_dim"],
+                     values["block_tokens"], values["dtype"]).block_bytes
+    for tier in ("gpu", "cpu"):
+        key, blocks = f"{tier}_bytes", f"{tier}_blocks"
+        if not values[key]:
+            continue
+        where, n = f"pools.{name}.{key}", values[key] // bb
+        if not n:
+            problems.append(f"{where}: {values[key]} bytes hold no whole block of this layout "
+                            f"({bb} bytes){_via(origins, 'pools', name, key)}")
+        elif blocks in table and values[blocks] != n:  # both given (a formatted config): must agree
+            problems.append(f"{where}: {values[key]} bytes are {n} blocks of {bb} bytes, but {blocks} "
+                            f"is {values[blocks]}; set one of them{_via(origins, 'pools', name, key)}")
+        else:
+            values[blocks] = n
 
 
 def _cross_check(values: dict[str, dict[str, Any]], origins: Origins,

@@ -129,6 +129,27 @@ def choice(*options: str) -> Check:
     return check
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+
+
+def size() -> Check:
+    """A byte count: an integer, or a string like '512MiB', '16GiB', '2GB' (1 GB = 10^9 bytes)."""
+    want = "a size in bytes: an integer >= 0 or a string like '512MiB' or '16GiB'"
+
+    def check(value: Any) -> int:
+        if _is_int(value) and value >= 0:
+            return value
+        m = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
+        unit = _UNITS.get(m.group(2).lower()) if m else None
+        if unit is None:
+            raise Invalid(f"expected {want}, got {shown(value)}")
+        return int(float(m.group(1)) * unit)
+
+    return check
+
+
 def absolute_path() -> Check:
     def check(value: Any) -> Path:
         if not isinstance(value, str) or not value.startswith("/"):

@@ -24,11 +24,13 @@ def render_status(stats: dict) -> str:
             f"pool {name}: block {_mib(pool['block_bytes'])} MiB  puts {pool['puts']}  "
             f"dropped {pool['puts_dropped']}  misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
         )
-        lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "     MiB  in ms avg/max")
+        lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "   MiB used/cap  in ms avg/max")
         for tier in ("gpu", "cpu", "redis"):
             t = pool["tiers"][tier]
             cells = " ".join(f"{'-' if t.get(c) is None else t.get(c):>11}" for c in COLUMNS)
-            lines.append(f"  {tier:<6} {cells} {_mib(t['bytes']):>7}  {_latency(t)}")
+            cap = t.get("capacity_bytes")
+            used = f"{_mib(t['bytes'])}/{'-' if cap is None else _mib(cap)}"
+            lines.append(f"  {tier:<6} {cells} {used:>15}  {_latency(t)}")
     bus = stats.get("bus", {})
     if bus:
         lines.append("bus: " + "  ".join(f"{k} {v}" for k, v in sorted(bus.items())))

@@ -74,6 +74,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict:
             "blocks": blocks,
             "capacity": idx.capacity,
             "bytes": blocks * rt.layout.block_bytes,
+            "capacity_bytes": None if idx.capacity is None else idx.capacity * rt.layout.block_bytes,
             "incoming": rt.placement.incoming(t) if t != Tier.REDIS else 0,
             **{k: getattr(c, k) for k in c.__slots__},
         }

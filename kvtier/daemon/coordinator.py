@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import Delivery
@@ -31,8 +32,11 @@ class Coordinator:
         self.log = log.bind(worker="coordinator")
         self._cmds: list = []
         self._touched: set[str] = set()
+        self.applied = AppliedEntries()
 
     async def handle(self, d: Delivery) -> None:
+        if self.applied.duplicate(d.envelope):  # a redelivery: counting it again would skew hits and LRU
+            return
         ev = d.envelope.event
         rt = self.pools.get(getattr(ev, "pool", ""))
         if rt is None:
@@ -55,6 +59,7 @@ class Coordinator:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
         self._cmds.extend(cmds)
         self._touched.add(rt.name)
+        self.applied.handled(d.envelope)
 
     async def flush(self) -> None:
         """After each batch, before its acks: shed load where needed, publish all commands at once."""
@@ -62,16 +67,19 @@ class Coordinator:
             self._cmds.extend(self.pools[name].placement.pressure(time.monotonic()))
         self._touched.clear()
         cmds, self._cmds = self._cmds, []
-        if not cmds:
-            return
         try:
-            await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
+            if cmds:
+                await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
         except BaseException:
             # Nothing was acked: the batch comes back. Forget the marks these commands made so
             # that the replay decides afresh (a mark left behind would pin a block or eat room).
             for c in cmds:
                 self.pools[c.pool].placement.revert([c])
+            self.applied.discard()
             raise
+        self.applied.commit()
+        if not cmds:
+            return
         self.log.debug("coordinator.commands", n=len(cmds))
 
     def _put(self, rt: PoolRuntime, ev: Put) -> list:

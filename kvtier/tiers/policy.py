@@ -79,6 +79,10 @@ class Placement:
         self._incoming: dict[Tier, dict[bytes, float]] = {t: {} for t in LOCAL}
         self._leaving: dict[tuple[Tier, bytes], float] = {}  # (tier, key) chosen to leave -> give-up time
         self._leases: dict[bytes, float] = {}  # prefetched key -> lease expiry
+        # Demotes in flight: (destination, key) -> source. A block can be leaving gpu and cpu at
+        # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
+        # the fact alone does not say which copy a completed write-back releases.
+        self._demoting: dict[tuple[Tier, bytes], Tier] = {}
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -182,15 +186,18 @@ class Placement:
         if fact.tier in self._incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
             self._incoming[fact.tier].pop(fact.key, None)
         if fact.tier != Tier.GPU and cause == Demote.TYPE:
-            src = self._demote_source(fact.tier, fact.key)
+            src = self._demoting.pop((fact.tier, fact.key), None)
+            if src is None:
+                src = self._demote_source(fact.tier, fact.key)
             if isinstance(fact, Stored):
                 e = self.tiers[src].get(fact.key)
                 # Only a block still on its way out may go; a redelivered fact must not evict a
                 # block that has since come back. And a child may have arrived meanwhile: then
-                # the parent stays (tail first) and the copy below is merely a spare.
+                # the parent stays (tail first; for cpu, also while a child sits in gpu) and the
+                # copy below is merely a spare.
                 if e is None or not e.leaving:
                     return []
-                if self.tiers[src].children(fact.key) or e.pins > 1:
+                if self.tiers[src].children(fact.key) or self._extended_above(src, fact.key) or e.pins > 1:
                     self._unmark(src, fact.key)
                     return []
                 if (src, fact.key) in self._leaving:  # a full timeout for the last step
@@ -207,8 +214,8 @@ class Placement:
         return []
 
     def _demote_source(self, dst: Tier, key: bytes) -> Tier:
-        """The tier a demote into `dst` came from: the one above it where the block is leaving
-        (gpu demotes straight to Redis when cpu is full), else the tier right above."""
+        """For a demote fact with no record (redelivered after its record settled or expired):
+        the tier above `dst` where the block is leaving, else the tier right above."""
         for t in LOCAL:
             if t < dst and (e := self.tiers[t].get(key)) is not None and e.leaving:
                 return t
@@ -246,6 +253,9 @@ class Placement:
 
     def _unmark(self, t: Tier, key: bytes) -> None:
         self._leaving.pop((t, key), None)
+        for dst in (Tier.CPU, Tier.REDIS):
+            if self._demoting.get((dst, key)) == t:
+                del self._demoting[(dst, key)]
         self.tiers[t].clear_leaving(key)
 
     def _shed(self, t: Tier, now: float) -> list[Command]:
@@ -277,6 +287,7 @@ class Placement:
                 out.append(Evict(self.pool, key, t, "unreused"))  # the frequency filter's drop
             else:
                 out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))
+                self._demoting[(dst, key)] = t
                 if dst in self._incoming:
                     self._incoming[dst][key] = give_up
             idx.mark_leaving(key)  # readable until the worker acts, never picked twice

@@ -16,6 +16,7 @@ class TierCounters:
     bytes_in: int = 0  # payload bytes written into this tier
     failed: int = 0  # transfers into this tier that did not complete (counted misses)
     refused: int = 0  # evictions refused because no lower tier held the block
+    stale: int = 0  # commands skipped as late or redelivered (fenced, or no longer chosen)
     transfers: int = 0  # completed stores, promotions and demotions into this tier
     transfer_s: float = 0.0  # their total time, from command receipt to visible
     transfer_max_s: float = 0.0

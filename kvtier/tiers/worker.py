@@ -14,10 +14,12 @@ import time
 import numpy as np
 import redis.exceptions
 
+from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.tiers.directory import IN_REDIS
+from kvtier.tiers.fence import CommandFence
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.policy import DROP_REASONS
 from kvtier.tiers.pool import PoolRuntime
@@ -36,6 +38,12 @@ class TierWorker:
         self.log = log.bind(tier=tier.label)
         self._scratch: dict[int, np.ndarray] = {}
         self._facts: list[Fact] = []
+        # Room for every block the node can hold, several times over: a stamp is only needed
+        # while an old entry for that block could still be redelivered.
+        local = sum((rt.cfg.gpu_blocks + rt.cfg.cpu_blocks) for rt in pools.values())
+        self.fence = CommandFence(max(4096, 4 * local))
+        self.applied = AppliedEntries()
+        self._fences: list[tuple[str, bytes, tuple[int, int]]] = []  # applied in this batch
 
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
@@ -51,6 +59,20 @@ class TierWorker:
         target = {Store: "tier", Promote: "dst", Demote: "dst", Copy: "dst", Evict: "tier"}.get(type(ev))
         if target is None or getattr(ev, target) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
+        if self.applied.duplicate(d.envelope):  # carried out already, its fact published
+            rt.counters.tiers[self.tier.label].stale += 1
+            return
+        stamp = (d.envelope.epoch, d.envelope.seq)
+        if self.fence.stale(rt.name, ev.key, stamp):
+            # Older than a command already applied to this block: a late redelivery. Its
+            # outcome was reported the first time, or it was overtaken; applying it now would
+            # undo a newer decision (re-add an evicted block, drop one that came back).
+            rt.counters.tiers[self.tier.label].stale += 1
+            if isinstance(ev, Store):
+                self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
+            self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
+                          epoch=stamp[0], seq=stamp[1])
+            return
         t0 = time.perf_counter()
         if isinstance(ev, Store):
             fact = await self._store(rt, ev)
@@ -62,12 +84,22 @@ class TierWorker:
             rt.counters.tiers[self.tier.label].timed(time.perf_counter() - t0)
         if fact is not None:
             self._facts.append(fact)
+        self.applied.handled(d.envelope)
+        self._fences.append((rt.name, ev.key, stamp))
 
     async def flush(self) -> None:
         """After each batch, before its acks: report every outcome in one pipeline."""
         facts, self._facts = self._facts, []
-        if facts:
-            await self.publisher.publish_many([(self.facts_stream, f) for f in facts])
+        fences, self._fences = self._fences, []
+        try:
+            if facts:
+                await self.publisher.publish_many([(self.facts_stream, f) for f in facts])
+        except BaseException:
+            self.applied.discard()  # the batch comes back and must run again to report
+            raise
+        self.applied.commit()
+        for pool, key, stamp in fences:
+            self.fence.record(pool, key, stamp)
 
     # --- store: client staging -> this tier ---------------------------------------------------
 
@@ -241,9 +273,16 @@ class TierWorker:
         entry = None if local is None else local.index.get(ev.key)
         if entry is None:
             return None  # already gone: a duplicate
-        if local.index.children(ev.key) or entry.pins > int(entry.leaving):
-            # Decided a moment ago, but a child has arrived or a reader holds it since: tail first,
-            # and pins are honoured at the moment of eviction, not only at the moment of choice.
+        if not entry.leaving:
+            # A late or redelivered command: the policy chose this block to leave, but it has
+            # since stayed (a child arrived, the move failed) or come back. Not ours to drop.
+            c.stale += 1
+            return None
+        if (local.index.children(ev.key) or entry.pins > 1
+                or (self.tier == Tier.CPU and rt.placement.tiers[Tier.GPU].children(ev.key))):
+            # Decided a moment ago, but a child has arrived (here, or in gpu for a cpu block) or a
+            # reader holds it since: tail first, and pins are honoured at the moment of eviction,
+            # not only at the moment of choice.
             rt.placement.refused(self.tier, ev.key)
             c.refused += 1
             return None

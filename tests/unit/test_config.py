@@ -248,3 +248,26 @@ def test_format_config_quotes_dotted_pool_names(tmp_path: Path) -> None:
     text = format_config(cfg)
     assert '[pools."llama3.1"]' in text
     assert load_config(write(tmp_path, text), {}) == cfg
+
+
+def test_capacity_in_bytes(tmp_path: Path) -> None:
+    # 2 layers * 2 (k, v) * 2 heads * 16 tokens * 8 dims * 2 bytes = 2 KiB blocks
+    cfg = load_config(write(tmp_path, POOL + 'gpu_bytes = "10KiB"\ncpu_bytes = 1_000_000\n'), {})
+    (pool,) = cfg.pools
+    assert (pool.gpu_blocks, pool.cpu_blocks) == (5, 488)  # whole blocks only: 1e6 // 2048
+    env = {"KVTIER__POOLS__LLAMA__CPU_BYTES": "1.5MiB"}
+    assert load_config(write(tmp_path, POOL), env).pools[0].cpu_blocks == 768
+    assert load_config(write(tmp_path, format_config(cfg)), {}) == cfg, "a formatted config reloads"
+
+
+def test_capacity_in_bytes_is_checked(tmp_path: Path) -> None:
+    problems = problems_of(write(tmp_path, POOL + 'gpu_bytes = "1KiB"\ncpu_bytes = "4 GiB"\ncpu_blocks = 3\n'))
+    assert problems == [
+        "pools.llama.gpu_bytes: 1024 bytes hold no whole block of this layout (2048 bytes)",
+        "pools.llama.cpu_bytes: 4294967296 bytes are 2097152 blocks of 2048 bytes, but cpu_blocks is 3; "
+        "set one of them",
+    ]
+    (problem,) = problems_of(write(tmp_path, POOL + 'cpu_bytes = "lots"\n'))
+    assert problem.startswith("pools.llama.cpu_bytes: expected a size in bytes")
+    (problem,) = problems_of(write(tmp_path, POOL + "cpu_bytes = -1\n"))
+    assert problem.startswith("pools.llama.cpu_bytes: expected a size in bytes")

@@ -1,0 +1,45 @@
+"""Per-key fencing of a tier worker's commands against late and redelivered stream entries.
+
+Delivery is at least once: after a consumer crash or an XAUTOCLAIM an old command can arrive
+after newer ones for the same block (a promote after the evict that followed it, an evict after
+the block came back). Every command carries its producer's (epoch, seq) stamp, which grows with
+every command the daemon publishes and across daemon restarts (epoch is the start time in ns).
+A worker remembers the newest stamp it applied per block and skips any older one, so the last
+decision about a block wins whatever order the entries arrive in.
+
+An equal stamp is the same entry again (a retry after a failed attempt, or a plain duplicate):
+it runs, because handlers are idempotent and a retry must be able to finish. The memory is a
+bounded LRU: a block untouched for longer than `capacity` other blocks forgets its stamp, and
+the per-handler checks (present, still leaving, staging generation) remain the guard.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+Stamp = tuple[int, int]  # (epoch, seq)
+
+
+class CommandFence:
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("fence capacity must be positive")
+        self.capacity = capacity
+        self._last: OrderedDict[tuple[str, bytes], Stamp] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def stale(self, pool: str, key: bytes, stamp: Stamp) -> bool:
+        """Whether a newer command for this block has already been applied."""
+        last = self._last.get((pool, key))
+        return last is not None and stamp < last
+
+    def record(self, pool: str, key: bytes, stamp: Stamp) -> None:
+        """A command for this block was applied (call only after its handler succeeded)."""
+        k = (pool, key)
+        last = self._last.get(k)
+        self._last[k] = stamp if last is None or stamp > last else last
+        self._last.move_to_end(k)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)

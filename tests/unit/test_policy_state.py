@@ -1,0 +1,527 @@
+"""Stateful test of the pure tiering core: TierIndex (gpu, cpu, redis) + Placement for one pool.
+
+A Hypothesis state machine drives the policy with client events (put, get, prefetch), time,
+pressure, reader pins, Redis TTL expiry and outages, lost, late and duplicated deliveries and
+daemon restarts, under drawn knobs and tier sizes. A synchronous executor carries out the
+commands as kvtier/tiers/worker.py does, in the order Coordinator.flush publishes them, and
+feeds every fact back through `Placement.on_fact`. Plain dicts model the bytes each tier holds
+and the cpu slot headers; a block's bytes are a function of its key, and the keys form a small
+forest (chains with a branch) so puts collide and prefixes matter.
+
+Every command may be lost (dead-lettered, trimmed) or delivered again late, evictions
+included: the worker carries out an evict only for a block still marked leaving, so a late one
+for a block that stayed or came back is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, deque
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.tiers.index import State, TierIndex
+from kvtier.tiers.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
+
+POOL = "p"
+GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
+LOCAL = (GPU, CPU)
+BLOCK_BYTES = 8
+LEASE, T = 5.0, 30.0  # prefetch_lease_s, transfer_timeout_s
+
+# name -> parent name: a0..a4 with a branch b2, b3 off a1; c0..c2; d0, d1
+_FOREST = {"a0": None, "a1": "a0", "a2": "a1", "a3": "a2", "a4": "a3", "b2": "a1", "b3": "b2",
+           "c0": None, "c1": "c0", "c2": "c1", "d0": None, "d1": "d0"}
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(32, b"\0")
+
+
+PARENT = {key(n): None if p is None else key(p) for n, p in _FOREST.items()}
+KEYS = sorted(PARENT)
+
+
+def bytes_of(k: bytes) -> bytes:
+    return hashlib.blake2b(k, digest_size=BLOCK_BYTES).digest()
+
+
+def _root_path(k: bytes) -> list[bytes]:
+    path = [k]
+    while PARENT[path[0]] is not None:
+        path.insert(0, PARENT[path[0]])
+    return path
+
+
+# Every contiguous piece of a root-to-node path: what one client batch may put or prefetch.
+PATHS = sorted({tuple(p[i:j]) for k in KEYS for p in [_root_path(k)]
+                for i in range(len(p)) for j in range(i + 1, len(p) + 1)})
+paths = st.sampled_from(PATHS)
+lose = st.just(frozenset()) | st.frozensets(st.integers(0, 4), min_size=1, max_size=2)  # lost commands
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+        self.data: dict[Tier, dict[bytes, bytes]] = {t: {} for t in Tier}  # the bytes each tier holds
+        self.headers: dict[Tier, dict[int, bytes]] = {t: {} for t in LOCAL}  # slot -> key, as in slot headers
+        self.pins: Counter[tuple[Tier, bytes]] = Counter()  # readers' pins taken by the test
+        self.leases: dict[bytes, float] = {}  # prefetched, not yet read -> lease expiry
+        self.stored: set[bytes] = set()  # reported stored, and not since lost by a documented rule
+        self.staged: set[int] = set()  # staging gens not yet released
+        self.gen = 0
+        self.history: list = []  # the latest commands and facts, for duplicate delivery
+        self.parked: list[Store | Promote] = []  # lost commands that may still turn up late
+        self.lost_until: float | None = None  # marks of lost commands expire by then
+        self.redis_up = True  # False: every Redis call fails (RedisError)
+        self.extra: list[Removed] = []  # facts a handler reports besides its own (make_room's evictions)
+
+    @initialize(write=st.sampled_from(RedisWrite), admit_after=st.sampled_from([0, 2]),
+                prefetch_to=st.sampled_from([CPU, GPU]), high=st.sampled_from([0.9, 1.0]),
+                gpu=st.sampled_from([2, 3]), cpu=st.sampled_from([3, 5]))
+    def configure(self, write, admit_after, prefetch_to, high, gpu, cpu) -> None:
+        """Knobs and sizes per run; high_watermark 1.0 never sheds: tiers fill, workers make room."""
+        self.cap = {GPU: gpu, CPU: cpu}
+        self.knobs = PolicyKnobs(high_watermark=high, low_watermark=0.6, promote_after_hits=2,
+                                 prefetch_lease_s=LEASE, transfer_timeout_s=T, redis_write=write,
+                                 redis_admit_after_hits=admit_after, prefetch_to=prefetch_to)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.idx = {GPU: TierIndex(self.cap[GPU]), CPU: TierIndex(self.cap[CPU]), REDIS: TierIndex(None)}
+        self.p = Placement(POOL, self.idx, self.knobs)
+
+    # --- the executor: TierWorker, synchronously ------------------------------------------------
+
+    def execute(self, cmds, lost=frozenset()) -> list[Stored | Removed]:
+        """Run commands and the commands their facts lead to; the n-th one run is lost if n in `lost`.
+        Returns the facts reported."""
+        queue, n, facts = deque(cmds), 0, []
+        while queue:
+            cmd = queue.popleft()
+            n += 1
+            if n - 1 in lost:  # dead-lettered or trimmed
+                self.lost_until = max(self.lost_until or 0.0, self.now + 2 * T)
+                if isinstance(cmd, (Store, Promote)) and len(self.parked) < 4:
+                    self.parked.append(cmd)
+                continue
+            self.history.append(cmd)
+            for fact in self.apply(cmd):
+                self.history.append(fact)
+                facts.append(fact)
+                for c in self.p.on_fact(fact):  # a write-back ends only for its leaving, free block
+                    e = self.idx[c.tier].get(c.key) if isinstance(c, Evict) else None
+                    assert e is None or (e.leaving and e.pins == 1 and not self.idx[c.tier].children(c.key)), c
+                    queue.append(c)
+        del self.history[:-40]
+        return facts
+
+    def apply(self, cmd) -> list[Stored | Removed]:
+        """One command, as TierWorker.handle: the facts it reports, in order."""
+        if isinstance(cmd, Store):
+            fact = self.store(cmd)
+        elif isinstance(cmd, Evict):
+            fact = self.evict(cmd)
+        else:
+            fact = self.transfer(cmd)
+        facts, self.extra = self.extra + [fact] * (fact is not None), []
+        return facts
+
+    def stored_fact(self, k: bytes, t: Tier, slot: int, cause: str) -> Stored:
+        self.stored.add(k)
+        return Stored(POOL, k, PARENT[k], t, slot, cause)
+
+    def store(self, c: Store) -> Stored | Removed:
+        if (held := self.idx[c.tier].get(c.key)) is not None:  # duplicate, or another client won
+            self.staged.discard(c.gen)
+            return Stored(POOL, c.key, c.parent, c.tier, held.slot, Store.TYPE)
+        if c.gen not in self.staged:  # staging slot already released: its generation check fails
+            return Removed(POOL, c.key, c.tier, "store_failed:verify")
+        self.staged.discard(c.gen)
+        if c.tier == REDIS:
+            if not self.redis_put(c.key, bytes_of(c.key)):
+                return Removed(POOL, c.key, REDIS, "store_failed:redis")
+            return self.stored_fact(c.key, REDIS, -1, Store.TYPE)
+        if (e := self.write_local(c.tier, c.key, bytes_of(c.key))) is None:
+            return Removed(POOL, c.key, c.tier, "store_failed:no_room")
+        return self.stored_fact(c.key, c.tier, e.slot, Store.TYPE)
+
+    def transfer(self, c: Promote | Demote | Copy) -> Stored | Removed:
+        if c.dst != REDIS and (have := self.idx[c.dst].get(c.key)) is not None:
+            return Stored(POOL, c.key, c.parent, c.dst, have.slot, c.TYPE)
+        if c.src == REDIS:
+            payload = self.data[REDIS].get(c.key) if self.redis_up else None
+        else:
+            e = self.idx[c.src].get(c.key)
+            payload = self.data[c.src].get(c.key) if e is not None and e.state is State.READY else None
+        if payload is None:
+            if c.src == REDIS:
+                self.idx[REDIS].remove(c.key)
+            return Removed(POOL, c.key, c.dst, f"{c.TYPE}_failed:source_miss")
+        if c.dst == REDIS:
+            if not self.redis_put(c.key, payload):
+                return Removed(POOL, c.key, REDIS, f"{c.TYPE}_failed:redis")
+            return self.stored_fact(c.key, REDIS, -1, c.TYPE)
+        if (e := self.write_local(c.dst, c.key, payload)) is None:
+            return Removed(POOL, c.key, c.dst, f"{c.TYPE}_failed:no_room")
+        return self.stored_fact(c.key, c.dst, e.slot, c.TYPE)
+
+    def evict(self, c: Evict) -> Removed | None:
+        if c.tier == REDIS:
+            self.data[REDIS].pop(c.key, None)
+            self.idx[REDIS].remove(c.key)
+            return Removed(POOL, c.key, REDIS, f"evict:{c.reason}")
+        if (e := self.idx[c.tier].get(c.key)) is None:
+            return None  # already gone: a duplicate
+        if not e.leaving:  # late or redelivered: the block stayed or came back
+            return None
+        if (self.idx[c.tier].children(c.key) or e.pins > 1  # tail first; pins honoured
+                or (c.tier == CPU and self.idx[GPU].children(c.key))):
+            self.p.refused(c.tier, c.key)
+            return None
+        safe = c.tier == GPU and c.key in self.idx[CPU]
+        if not safe and c.key in self.idx[REDIS]:
+            safe = self.redis_has(c.key)
+        if not safe and c.reason in DROP_REASONS:  # the frequency filter drops an unread block
+            n = self.knobs.redis_admit_after_hits
+            assert all(x.hits < n for t in LOCAL if (x := self.idx[t].get(c.key))), \
+                f"{c.reason} drop of a block read {n} times"
+            safe = True
+            if all(c.key not in self.data[t] for t in Tier if t != c.tier):
+                self.stored.discard(c.key)  # gone by a documented rule
+        if not safe:  # the only copy: refuse
+            self.p.refused(c.tier, c.key)
+            return None
+        self.drop(c.tier, c.key, c.reason)
+        return Removed(POOL, c.key, c.tier, f"evict:{c.reason}")
+
+    def redis_put(self, k: bytes, payload: bytes) -> bool:
+        if not self.redis_up:
+            return False
+        self.data[REDIS][k] = payload
+        if any(self.idx[t].get(k) is not None for t in LOCAL):
+            self.idx[REDIS].add(k, PARENT[k])
+        return True
+
+    def redis_has(self, k: bytes) -> bool:
+        if not self.redis_up:  # an error means no
+            return False
+        if k in self.data[REDIS]:
+            return True
+        self.idx[REDIS].remove(k)  # the record was stale (TTL): forget it
+        return False
+
+    def write_local(self, t: Tier, k: bytes, payload: bytes):
+        idx = self.idx[t]
+        if (e := idx.get(k)) is not None:
+            return e
+        e = idx.reserve(k, PARENT[k])
+        if e is None and self.make_room(t):
+            e = idx.reserve(k, PARENT[k])
+        if e is None:
+            return None
+        assert e.slot not in self.headers[t], f"slot {e.slot} handed out twice in {t.label}"
+        self.headers[t][e.slot] = k
+        self.data[t][k] = payload
+        return idx.commit(k)
+
+    def make_room(self, t: Tier) -> bool:
+        for _ in range(4):
+            victim = self.p.clean_victim(t)
+            if victim is None:
+                return False
+            if t == CPU and not self.redis_has(victim):
+                continue
+            self.drop(t, victim, "make_room")
+            self.extra.append(Removed(POOL, victim, t, "evict:make_room"))
+            return True
+        return False
+
+    def drop(self, t: Tier, k: bytes, why: str) -> None:
+        """Every eviction from a local tier goes through here: check the eviction rules."""
+        idx = self.idx[t]
+        assert self.pins[(t, k)] == 0, f"{k!r} dropped from {t.label} while a reader pins it"
+        assert idx.children(k) == 0, f"{k!r} dropped from {t.label} before its {idx.children(k)} children"
+        # A lease keeps a prefetched block on the node until it is read; a move that was decided
+        # before the prefetch may still finish, as long as it leaves a local copy.
+        assert self.leases.get(k, 0.0) <= self.now or any(k in self.data[u] for u in LOCAL if u != t), \
+            f"{k!r} left the node under a prefetch lease"
+        if t == CPU:
+            assert self.idx[GPU].children(k) == 0, f"{k!r} left the node while a child sits in gpu"
+        del self.headers[t][idx.get(k).slot]
+        del self.data[t][k]
+        idx.remove(k)
+        if all(self.idx[u].get(k) is None for u in LOCAL):
+            self.idx[REDIS].remove(k)
+
+    def flush(self, cmds, lost=frozenset(), room_promised: bool = False) -> None:
+        """As Coordinator.flush: what pressure sheds joins the batch's commands, decided before
+        any of them has run, and all are published (here: run) together."""
+        shed = self.p.pressure(self.now)
+        self.expired()
+        for c in shed:  # the decisions themselves: evictable blocks, and safe ways out
+            t = c.tier if isinstance(c, Evict) else c.src
+            e = self.idx[t].get(c.key)
+            assert e.leaving and e.pins == 1 and not self.pins[(t, c.key)], f"{c}: pinned"
+            assert not self.idx[t].children(c.key), f"{c}: a parent of resident blocks"
+            assert self.leases.get(c.key, 0.0) <= self.now, f"{c}: under a prefetch lease"
+            assert t == GPU or not self.idx[GPU].children(c.key), f"{c}: parent of gpu blocks"
+            if isinstance(c, Evict):
+                assert c.reason in DROP_REASONS or any(c.key in self.idx[u] for u in Tier if u > t), c
+        facts = self.execute(list(cmds) + shed, lost)
+        if room_promised:  # admit and promote-on-hits count what is on its way in
+            assert not [f for f in facts if f.cause in ("store_failed:no_room", "promote_failed:no_room")], \
+                "room was promised that was not there"
+
+    def expired(self) -> None:
+        """Call right after a policy call that expires marks (admit, on_access, pressure)."""
+        if self.lost_until is not None and self.now >= self.lost_until:
+            self.lost_until = None
+        self.leases = {k: u for k, u in self.leases.items() if u > self.now}
+
+    def resident(self) -> list[tuple[Tier, bytes]]:
+        return [(t, k) for t in LOCAL for k in sorted(self.data[t])]
+
+    def snapshot(self):
+        def entries(t):
+            return sorted((e.key, e.slot, e.state.value, e.pins, e.leaving, e.parent)
+                          for e in self.idx[t].ready())
+        return ([entries(t) for t in Tier], [[e.key for e in self.idx[t].ready()] for t in LOCAL],
+                {t: dict(d) for t, d in self.data.items()})
+
+    # --- rules ----------------------------------------------------------------------------------
+
+    @rule(path=paths, lost=lose)
+    def put(self, path, lost) -> None:
+        cmds = []
+        for k, t in zip(path, self.p.admit(list(path), self.now)):
+            if t is not None:
+                self.gen += 1
+                self.staged.add(self.gen)
+                cmds.append(Store(POOL, t, k, PARENT[k], "seg", self.gen % 16, self.gen))
+        self.flush(cmds, lost, room_promised=True)
+
+    @rule(data=st.data(), lost=lose)
+    def get(self, data, lost) -> None:
+        """A client reads the blocks it finds locally (exact bytes) and reports them."""
+        local = sorted({k for _, k in self.resident()})
+        keys = data.draw(st.lists(st.sampled_from(local or KEYS) | st.sampled_from(KEYS), max_size=4))
+        hits = [k for k in keys if self.p.where(k) in LOCAL]
+        for k in hits:
+            assert self.data[self.p.where(k)][k] == bytes_of(k), "lookup returned the wrong bytes"
+            self.leases.pop(k, None)
+        self.flush(self.p.on_access(hits, self.now), lost, room_promised=True)
+
+    @rule(data=st.data(), lost=lose)
+    def prefetch(self, data, lost) -> None:
+        """Bring a chain up from Redis: mostly one that only Redis holds, as `locate` reports it."""
+        remote = [p for p in PATHS if all(k in self.data[REDIS] and self.p.where(k) not in LOCAL for k in p)]
+        path = data.draw(st.sampled_from(remote or PATHS) | paths)
+        cmds = self.p.on_prefetch(list(path), PARENT[path[0]], self.now)
+        for k in path:  # leased, up to half the local slots
+            if len(self.leases) < (self.cap[GPU] + self.cap[CPU]) // 2:
+                self.leases[k] = self.now + LEASE
+        self.flush(cmds, lost)
+
+    @rule(lost=lose)
+    def pressure(self, lost) -> None:
+        self.flush([], lost)
+
+    @rule(dt=st.sampled_from([LEASE, T, 2 * T]) | st.floats(0.0, 2 * T), lost=lose)
+    def advance(self, dt, lost) -> None:
+        """Time passes (leases and in-flight marks may expire); capacity pressure is re-checked."""
+        self.now += dt
+        self.flush([], lost)
+
+    @precondition(lambda self: sum(self.pins.values()) < 3 and any(self.data[t] for t in LOCAL))
+    @rule(data=st.data())
+    def pin(self, data) -> None:
+        t, k = data.draw(st.sampled_from(self.resident()))
+        assert self.idx[t].pin(k)
+        self.pins[(t, k)] += 1
+
+    @precondition(lambda self: +self.pins)
+    @rule(data=st.data())
+    def unpin(self, data) -> None:
+        t, k = data.draw(st.sampled_from(sorted(+self.pins)))
+        self.idx[t].unpin(k)
+        self.pins[(t, k)] -= 1
+
+    @precondition(lambda self: self.data[REDIS])
+    @rule(data=st.data())
+    def redis_ttl(self, data) -> None:
+        """Redis drops a key by TTL; nobody tells the daemon. The documented way blocks leave."""
+        k = data.draw(st.sampled_from(sorted(self.data[REDIS])))
+        del self.data[REDIS][k]
+        if all(k not in self.data[t] for t in LOCAL):
+            self.stored.discard(k)
+
+    @rule()
+    def redis_outage(self) -> None:
+        """Redis goes away, or comes back: writes, reads and checks fail meanwhile."""
+        self.redis_up = not self.redis_up
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data())
+    def duplicate(self, data) -> None:
+        """At least once: a recent command or fact comes again, perhaps late, twice: safe, and the
+        second delivery changes nothing."""
+        item = data.draw(st.sampled_from(self.history))
+        states = []
+        for _ in range(2):
+            for fact in [item] if isinstance(item, (Stored, Removed)) else self.apply(item):
+                self.execute(self.p.on_fact(fact))
+            states.append(self.snapshot())
+        assert states[0] == states[1], f"delivering {item} again changed the state"
+
+    @precondition(lambda self: self.parked)
+    @rule(data=st.data())
+    def late(self, data) -> None:
+        """A lost store or promote is delivered after all, perhaps after its marks expired."""
+        cmd = self.parked.pop(data.draw(st.integers(0, len(self.parked) - 1)))
+        for fact in self.apply(cmd):
+            self.execute(self.p.on_fact(fact))
+
+    @precondition(lambda self: len(self.history) >= 30)  # some traffic since the last one
+    @rule()
+    def restart(self) -> None:
+        """The daemon restarts: gpu is gone, cpu re-indexed from its slot headers, Redis kept."""
+        self.stored -= {k for k in self.data[GPU] if k not in self.data[CPU] and k not in self.data[REDIS]}
+        self.data[GPU].clear()
+        self.headers[GPU].clear()
+        self.pins.clear()
+        self.leases.clear()
+        self.staged.clear()
+        self.history, self.parked, self.lost_until = [], [], None
+        self._fresh()
+        for slot, k in sorted(self.headers[CPU].items()):
+            assert self.idx[CPU].add(k, PARENT[k], slot) is not None
+
+    # --- invariants -----------------------------------------------------------------------------
+
+    @invariant()
+    def within_capacity(self) -> None:
+        for t in LOCAL:
+            idx = self.idx[t]
+            assert idx.used <= self.cap[t] and idx.free + idx.used == self.cap[t]
+            assert len(self.data[t]) * BLOCK_BYTES <= self.cap[t] * BLOCK_BYTES
+            assert len(self.headers[t]) == len(self.data[t])
+
+    @invariant()
+    def present_means_exact_bytes(self) -> None:
+        for t in LOCAL:
+            ready = {e.key: e for e in self.idx[t].ready()}
+            assert ready.keys() == self.data[t].keys() == set(self.headers[t].values())
+            assert len(self.idx[t]) == len(ready), "a PENDING entry outlived its transfer"
+            for k, e in ready.items():
+                assert self.headers[t][e.slot] == k and self.data[t][k] == bytes_of(k)
+                assert e.parent == PARENT[k]
+                assert self.idx[t].children(k) == sum(PARENT[c] == k for c in ready), "child count drifted"
+
+    @invariant()
+    def nothing_lost(self) -> None:
+        held = set(self.data[GPU]) | set(self.data[CPU]) | set(self.data[REDIS])
+        assert self.stored <= held, f"lost without a documented rule: {sorted(self.stored - held)}"
+
+    @invariant()
+    def pins_are_readers_plus_leaving_marks(self) -> None:
+        for t in LOCAL:
+            for e in self.idx[t].ready():
+                assert e.pins == self.pins[(t, e.key)] + e.leaving, f"{e.key!r} pins leak in {t.label}"
+        assert all(self.idx[t].get(k) is not None for (t, k), n in self.pins.items() if n)
+
+    @invariant()
+    def redis_record_only_for_local_blocks(self) -> None:
+        for e in self.idx[REDIS].ready():
+            assert any(self.idx[t].get(e.key) is not None for t in LOCAL)
+
+    @invariant()
+    def in_flight_marks_settle_or_expire(self) -> None:
+        for t in LOCAL:
+            idx = self.idx[t]
+            assert idx.leaving == sum(e.leaving for e in idx.ready())
+            if self.lost_until is None:  # every command ran to its fact, or its marks expired
+                assert idx.leaving == 0 and self.p.incoming(t) == 0, f"{t.label} keeps stale marks"
+
+
+TestPolicyState = PolicyMachine.TestCase
+TestPolicyState.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# --- what the machine found, as small cases -----------------------------------------------------
+A0, A1, A2, C0, C1, D0 = (key(n) for n in ("a0", "a1", "a2", "c0", "c1", "d0"))
+
+
+def _placement(gpu: int = 3, cpu: int = 5, **knobs) -> Placement:
+    tiers = {GPU: TierIndex(gpu), CPU: TierIndex(cpu), REDIS: TierIndex(None)}
+    return Placement(POOL, tiers, PolicyKnobs(**knobs))
+
+
+def _stored(p: Placement, t: Tier, k: bytes, cause: str) -> list:
+    """A worker stored `k` in `t` (index and fact), as TierWorker does; the policy's answer."""
+    p.tiers[t].add(k, PARENT[k])
+    return p.on_fact(Stored(POOL, k, PARENT[k], t, p.tiers[t].get(k).slot, cause))
+
+
+def test_write_back_keeps_a_parent_whose_children_arrived_meanwhile() -> None:
+    """Found before 24ad0dd: the shed decided in the same flush as a put's stores chose their parent."""
+    p = _placement()
+    _stored(p, GPU, A0, "store")
+    assert p.admit([A0, A1, A2], 0.0) == [None, GPU, GPU]  # a client extends the chain a0 -> a1 -> a2
+    shed = p.pressure(0.0)  # same flush, same publish as the two stores
+    assert [(type(c), c.key) for c in shed] == [(Demote, A0)]
+    for k in (A1, A2):
+        _stored(p, GPU, k, "store")
+    assert _stored(p, CPU, A0, "demote") == [], "evicts a0 from gpu before its children"
+    assert not p.tiers[GPU].get(A0).leaving and p.tiers[GPU].get(A0).pins == 0
+
+
+def test_a_late_demote_fact_evicts_only_a_block_still_leaving() -> None:
+    """Found before 24ad0dd: a redelivered stored(demote) fact evicted a block that had come back."""
+    p = _placement(gpu=4, high_watermark=0.5, low_watermark=0.5)
+    gpu = p.tiers[GPU]
+    for k in (A0, C0, D0):
+        _stored(p, GPU, k, "store")
+    assert [(type(c), c.key) for c in p.pressure(0.0)] == [(Demote, A0)]  # the coldest, written back
+    assert _stored(p, CPU, A0, "demote") == [Evict(POOL, A0, GPU, "demoted")]
+    gpu.remove(A0)  # the gpu worker drops it
+    p.on_fact(Removed(POOL, A0, GPU, "evict:demoted"))
+    for _ in range(2):  # read twice from cpu: promoted back to gpu
+        promote = p.on_access([A0], 1.0)
+    assert [type(c) for c in promote] == [Promote]
+    _stored(p, GPU, A0, "promote")
+    _stored(p, GPU, A1, "store")  # the chain grows in gpu, and a reader pins a0
+    assert gpu.pin(A0) and not gpu.get(A0).leaving and gpu.children(A0) == 1
+    late = Stored(POOL, A0, None, CPU, p.tiers[CPU].get(A0).slot, "demote")  # redelivered (XAUTOCLAIM)
+    assert p.on_fact(late) == [], "the old fact evicts a0 from gpu: pinned, not leaving, with a child"
+
+
+def test_a_cpu_write_back_keeps_a_parent_of_gpu_blocks() -> None:
+    """Found by the machine: a write-back decided before a gpu child arrived evicted its cpu parent."""
+    p = _placement()
+    for k in (C0, D0, A0, A1, A2):  # cpu over its high watermark; c0 and d0 the coldest leaves
+        _stored(p, CPU, k, "store")
+    assert p.admit([C0, C1], 0.0) == [None, GPU]  # a client extends c0 (in cpu) with c1
+    shed = p.pressure(0.0)  # decided in the flush that publishes the store of c1
+    assert (Demote, C0, REDIS) in [(type(c), c.key, c.dst) for c in shed]
+    _stored(p, GPU, C1, "store")  # the store runs first
+    cmds = _stored(p, REDIS, C0, "demote")  # then the write-back of c0 completes
+    assert Evict(POOL, C0, CPU, "demoted") not in cmds, "c0 leaves the node while its child c1 is in gpu"
+
+
+def test_a_redis_write_back_completes_the_cpu_copy() -> None:
+    """Found by the machine: a stored(redis, demote) fact was credited to the gpu copy, also leaving."""
+    p = _placement()
+    for k in (D0, C0, C1):
+        _stored(p, GPU, k, "store")
+    assert [(type(c), c.key) for c in p.pressure(0.0)] == [(Demote, D0)]  # gpu -> cpu
+    assert _stored(p, CPU, D0, "demote") == [Evict(POOL, D0, GPU, "demoted")]  # not carried out yet
+    for k in (A0, A1, A2, key("a3")):  # cpu fills up behind d0
+        _stored(p, CPU, k, "store")
+    assert (Demote, D0, REDIS) in [(type(c), c.key, c.dst) for c in p.pressure(0.0)]  # cpu -> redis
+    cmds = _stored(p, REDIS, D0, "demote")
+    assert Evict(POOL, D0, CPU, "demoted") in cmds, f"the cpu copy stays leaving; got {cmds}"
