@@ -81,6 +81,9 @@ class RedisConfig:
     connect_timeout_s: float = setting(number(gt=0), 2.0)
     retries: int = setting(integer(0), 3)
     block_ttl_s: int = setting(integer(0), 86400)
+    # A tier worker sends a batch's Redis reads and writes as pipelines of at most this many
+    # payload bytes each.
+    pipeline_bytes: int = setting(size(), 64 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,8 @@ class DaemonConfig:
     stats_interval_s: float = setting(number(gt=0), 1.0)
     persist_arena: bool = setting(boolean(), True)
     watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
+    # Block copies at least this big run in a thread, off the event loop (0: every copy).
+    off_loop_copy_bytes: int = setting(size(), 256 << 10)
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,9 @@ class Daemon:
             self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                              coordinator.handle, coordinator.flush)]
             for t in Tier:
-                worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log)
+                worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
+                                    off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
+                                    pipeline_bytes=cfg.redis.pipeline_bytes)
                 self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
                                                      worker.flush))
             self._write_descriptor(url, bus_url, gid)

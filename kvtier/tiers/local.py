@@ -36,17 +36,24 @@ class LocalTier:
 
     def read(self, key: bytes, out: np.ndarray) -> int | None:
         """Copy `key`'s block into `out` (uint8, block_bytes); returns its checksum, or None on a miss."""
+        slot = self.slot_of(key)
+        return None if slot is None else self.read_slot(slot, key, out)
+
+    def slot_of(self, key: bytes) -> int | None:
         e = self.index.get(key)
-        if e is None or e.state is not State.READY:
-            return None
+        return e.slot if e is not None and e.state is State.READY else None
+
+    def read_slot(self, slot: int, key: bytes, out: np.ndarray) -> int | None:
+        """The copy and its verification. Touches only the slot (seqlocked: a slot rewritten
+        meanwhile is a miss), never the index, so it may run off the event loop."""
         if self.device_payload is None:
-            return self.table.read_into(e.slot, key, out)
-        snap = self.table.begin_read(e.slot, key)
+            return self.table.read_into(slot, key, out)
+        snap = self.table.begin_read(slot, key)
         if snap is None:
             return None
-        out[:] = self.device_payload[e.slot].cpu().numpy()  # synchronous D2H
+        out[:] = self.device_payload[slot].cpu().numpy()  # synchronous D2H
         # Clients can write a CUDA IPC mapping: verify the bytes before they travel further down.
-        if not self.table.end_read(e.slot, snap[0], key) or checksum(out) != snap[1]:
+        if not self.table.end_read(slot, snap[0], key) or checksum(out) != snap[1]:
             return None
         return snap[1]
 
@@ -56,25 +63,41 @@ class LocalTier:
         existing = self.index.get(key)
         if existing is not None:
             return existing
-        e = self.index.reserve(key, parent)
+        e = self.begin(key, parent)
         if e is None:
             return None
         try:
-            if self.device_payload is None:
-                self.table.write(e.slot, key, data, Flags.VALID, csum, parent)
-            else:
-                import torch  # only on the CUDA path
-
-                g = self.table.begin_write(e.slot)
-                self.device_payload[e.slot].copy_(torch.from_numpy(data))
-                self.table.end_write(e.slot, g, key, self.block_bytes, csum, Flags.VALID, parent)
+            self.fill(e, data, csum)
         except BaseException:
-            self.table.invalidate(e.slot)
-            self.index.remove(key)
+            self.abort(e)
             raise
-        self.index.commit(key)
-        self.directory.set_slot(key, int(self.tier), e.slot)
+        return self.finish(e)
+
+    # The three steps of a write, for callers that run the copy off the event loop: `begin` and
+    # `finish` touch the index and directory (event loop only); `fill` only the reserved slot.
+
+    def begin(self, key: bytes, parent: bytes | None) -> Entry | None:
+        """Reserve a slot (PENDING: counted as used, invisible). None when full or present."""
+        return self.index.reserve(key, parent)
+
+    def fill(self, e: Entry, data: np.ndarray, csum: int) -> None:
+        if self.device_payload is None:
+            self.table.write(e.slot, e.key, data, Flags.VALID, csum, e.parent)
+        else:
+            import torch  # only on the CUDA path
+
+            g = self.table.begin_write(e.slot)
+            self.device_payload[e.slot].copy_(torch.from_numpy(data))
+            self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
+
+    def finish(self, e: Entry) -> Entry:
+        self.index.commit(e.key)
+        self.directory.set_slot(e.key, int(self.tier), e.slot)
         return e
+
+    def abort(self, e: Entry) -> None:
+        self.table.invalidate(e.slot)
+        self.index.remove(e.key)
 
     def drop(self, key: bytes) -> bool:
         """Invalidate first (readers now miss), then unlist, then free the slot."""

@@ -90,11 +90,48 @@ class RedisBlocks:
         value = pack_block(self.fingerprint, key, payload, csum)
         await self.client.set(self.name(key), value, ex=self.ttl_s or None)
 
+    async def put_many(self, items: list[tuple[bytes, bytearray]]) -> list[Exception | None]:
+        """SET packed values (`pack`) in one pipeline; per item, None or the error Redis gave.
+        A connection-level failure is every item's error."""
+        pipe = self.client.pipeline(transaction=False)
+        for key, value in items:
+            pipe.set(self.name(key), value, ex=self.ttl_s or None)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except redis.exceptions.RedisError as e:
+            return [e] * len(items)
+        return [r if isinstance(r, Exception) else None for r in replies]
+
+    def new_value(self) -> tuple[bytearray, np.ndarray]:
+        """A value to fill in place: the bytearray, and a uint8 view of its payload part."""
+        value = bytearray(BLK_HDR.size + self.block_bytes)
+        return value, np.frombuffer(value, dtype=np.uint8, offset=BLK_HDR.size)
+
+    def seal(self, value: bytearray, key: bytes, csum: int) -> bytearray:
+        """Write the header of a value filled through `new_value`."""
+        BLK_HDR.pack_into(value, 0, BLK_MAGIC, BLK_VERSION, 0, self.fingerprint, key, self.block_bytes, csum)
+        return value
+
+    async def get_many(self, keys: list[bytes]) -> list[tuple[np.ndarray, int] | None | Exception]:
+        """GET in one pipeline; per key the verified (payload, checksum), None when absent or
+        corrupt (then deleted), or the error Redis gave. A connection-level failure raises."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(self.name(k))
+        replies = await pipe.execute(raise_on_error=False)
+        out: list[tuple[np.ndarray, int] | None | Exception] = []
+        for k, raw in zip(keys, replies):
+            out.append(raw if raw is None or isinstance(raw, Exception) else await self._verified(k, raw))
+        return out
+
     async def get(self, key: bytes) -> tuple[np.ndarray, int] | None:
         """The verified payload and checksum, or None when absent or corrupt (then deleted)."""
         raw = await self.client.get(self.name(key))
         if raw is None:
             return None
+        return await self._verified(key, raw)
+
+    async def _verified(self, key: bytes, raw: bytes) -> tuple[np.ndarray, int] | None:
         try:
             return unpack_block(raw, self.fingerprint, key, self.block_bytes)
         except CorruptBlock as e:

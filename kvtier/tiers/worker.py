@@ -9,7 +9,9 @@ idempotent, because delivery is at least once. A failed transfer is a `removed` 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import redis.exceptions
@@ -29,7 +31,7 @@ Fact = Stored | Removed
 
 class TierWorker:
     def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging, publisher, facts_stream: str,
-                 log) -> None:
+                 log, *, off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20) -> None:
         self.tier = tier
         self.pools = pools
         self.staging = staging
@@ -44,6 +46,12 @@ class TierWorker:
         self.fence = CommandFence(max(4096, 4 * local))
         self.applied = AppliedEntries()
         self._fences: list[tuple[str, bytes, tuple[int, int]]] = []  # applied in this batch
+        self.off_loop_bytes = off_loop_bytes
+        self.pipeline_bytes = pipeline_bytes
+        self._writes: list[_RedisWrite] = []  # queued SETs (the redis worker)
+        self._reads: list[_RedisRead] = []  # queued GETs (promotes from Redis into this tier)
+        self._queued: set[tuple[str, bytes]] = set()
+        self._queued_bytes = 0
 
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
@@ -73,22 +81,37 @@ class TierWorker:
             self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                           epoch=stamp[0], seq=stamp[1])
             return
+        if (rt.name, ev.key) in self._queued:  # per-block order holds within a batch too
+            await self._drain()
         t0 = time.perf_counter()
         if isinstance(ev, Store):
-            fact = await self._store(rt, ev)
+            fact = await self._store(rt, ev, t0)
         elif isinstance(ev, Evict):
             fact = await self._evict(rt, ev)
         else:
-            fact = await self._transfer(rt, ev)
+            fact = await self._transfer(rt, ev, t0)
+        self._report(rt, fact, t0)
+        if self._queued_bytes >= self.pipeline_bytes:
+            await self._drain()
+        self.applied.handled(d.envelope)
+        self._fences.append((rt.name, ev.key, stamp))
+
+    def _report(self, rt: PoolRuntime, fact: Fact | None, t0: float) -> None:
         if isinstance(fact, Stored):
             rt.counters.tiers[self.tier.label].timed(time.perf_counter() - t0)
         if fact is not None:
             self._facts.append(fact)
-        self.applied.handled(d.envelope)
-        self._fences.append((rt.name, ev.key, stamp))
 
     async def flush(self) -> None:
-        """After each batch, before its acks: report every outcome in one pipeline."""
+        """After each batch, before its acks: finish queued Redis I/O, then report every
+        outcome in one pipeline."""
+        try:
+            await self._drain()
+        except BaseException:
+            self.applied.discard()
+            self._fences.clear()
+            self._facts.clear()
+            raise
         facts, self._facts = self._facts, []
         fences, self._fences = self._fences, []
         try:
@@ -103,7 +126,7 @@ class TierWorker:
 
     # --- store: client staging -> this tier ---------------------------------------------------
 
-    async def _store(self, rt: PoolRuntime, ev: Store) -> Fact:
+    async def _store(self, rt: PoolRuntime, ev: Store, t0: float) -> Fact | None:
         dst = rt.local(self.tier)
         if dst is None and self.tier != Tier.REDIS:
             raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
@@ -118,101 +141,161 @@ class TierWorker:
         if held is not None:  # duplicate delivery, or another client put it first
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return Stored(rt.name, ev.key, ev.parent, self.tier, held.slot, Store.TYPE)
-        buf = self._buf(bb)
+        if self.tier == Tier.REDIS:  # no local room: written through to Redis, read straight into the value
+            value, buf = rt.redis.new_value()
+        else:
+            value, buf = None, self._buf(bb)
         try:
-            csum = staging.read_into(ev.slot, ev.key, ev.gen, buf)
+            csum = await self._off_loop(bb, staging.read_into, ev.slot, ev.key, ev.gen, buf)
         except OSError as e:
             return self._failed(rt, ev, "bad_staging", str(e), dropped=True)
+        self.staging.release(ev.segment, bb, ev.slot, ev.gen)  # copied (or bad): the client may reuse it
         if csum is None:
-            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return self._failed(rt, ev, "verify", "staging slot changed or failed its checksum", dropped=True)
-        if self.tier == Tier.REDIS:  # no local room: write the block through to Redis
-            failed = await self._redis_put(rt, ev, buf, csum)
-            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
-            if failed is not None:
-                rt.counters.puts_dropped += 1
-                return failed
-            slot = -1
-        else:
-            entry = await self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
-            self.staging.release(ev.segment, bb, ev.slot, ev.gen)
-            if entry is None:
-                return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
-            slot = entry.slot
+        if value is not None:
+            self._queue_write(_RedisWrite(rt, ev, rt.redis.seal(value, ev.key, csum), t0))
+            return None
+        entry = await self._write_local(rt, dst, ev.key, ev.parent, buf, csum)
+        if entry is None:
+            return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
+        return self._stored(rt, ev, entry.slot)
+
+    def _stored(self, rt: PoolRuntime, ev: Store | Promote | Demote | Copy, slot: int) -> Stored:
+        """Count a completed store or transfer into this tier and make its fact."""
         c = rt.counters.tiers[self.tier.label]
-        c.stored += 1
-        c.bytes_in += bb
-        return Stored(rt.name, ev.key, ev.parent, self.tier, slot, Store.TYPE)
-
-    async def _redis_put(self, rt: PoolRuntime, ev, payload: np.ndarray, csum: int) -> Removed | None:
-        """Write to Redis and record it; a Removed failure fact if Redis refused."""
-        try:
-            await rt.redis.put(ev.key, payload, csum)
-        except redis.exceptions.RedisError as e:
-            rt.redis.stats.errors += 1
-            return self._failed(rt, ev, "redis", f"{type(e).__name__}: {e}")
-        if any(rt.placement.tiers[t].get(ev.key) is not None for t in (Tier.GPU, Tier.CPU)):
-            # Remember it only while a local copy exists: that is what eviction consults.
-            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
-            rt.directory.set_flag(ev.key, IN_REDIS, True)
-        return None
-
-    # --- promote / demote: another tier -> this tier -------------------------------------------
-
-    async def _transfer(self, rt: PoolRuntime, ev: Promote | Demote | Copy) -> Fact:
-        dst = rt.local(self.tier)
-        if self.tier != Tier.REDIS:
-            if dst is None:
-                raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
-            if (have := dst.index.get(ev.key)) is not None:
-                return Stored(rt.name, ev.key, ev.parent, self.tier, have.slot, ev.TYPE)
-        got = await self._read_source(rt, ev)
-        if got is None:
-            if ev.src == Tier.REDIS:  # expired, evicted or corrupt there: stop believing in it
-                self._forget_redis(rt, ev.key)
-            return self._failed(rt, ev, "source_miss", f"{ev.src.label} no longer holds a valid copy")
-        payload, csum = got
-        if self.tier == Tier.REDIS:
-            if (failed := await self._redis_put(rt, ev, payload, csum)) is not None:
-                return failed
-            slot = -1
-        else:
-            entry = await self._write_local(rt, dst, ev.key, ev.parent, payload, csum)
-            if entry is None:
-                return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict")
-            slot = entry.slot
-        c = rt.counters.tiers[self.tier.label]
-        if isinstance(ev, Promote):
+        if isinstance(ev, Store):
+            c.stored += 1
+        elif isinstance(ev, Promote):
             c.promoted_in += 1
         elif isinstance(ev, Demote):
             c.demoted_in += 1
         else:
             c.copied_in += 1
         c.bytes_in += rt.layout.block_bytes
-        self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
+        if not isinstance(ev, Store):
+            self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
         return Stored(rt.name, ev.key, ev.parent, self.tier, slot, ev.TYPE)
 
-    async def _read_source(self, rt: PoolRuntime, ev: Promote | Demote | Copy) -> tuple[np.ndarray, int] | None:
-        if ev.src == Tier.REDIS:
+    # --- Redis I/O, pipelined per batch --------------------------------------------------------
+
+    def _queue_write(self, w: "_RedisWrite") -> None:
+        self._writes.append(w)
+        self._queued.add((w.rt.name, w.ev.key))
+        self._queued_bytes += len(w.value)
+
+    def _queue_read(self, r: "_RedisRead") -> None:
+        self._reads.append(r)
+        self._queued.add((r.rt.name, r.ev.key))
+        self._queued_bytes += r.rt.layout.block_bytes
+
+    async def _drain(self) -> None:
+        """Run the queued Redis writes and reads, one pipeline per pool, and report their outcomes."""
+        writes, self._writes = self._writes, []
+        reads, self._reads = self._reads, []
+        self._queued.clear()
+        self._queued_bytes = 0
+        for rt, group in _by_pool(writes):
+            errors = await rt.redis.put_many([(w.ev.key, w.value) for w in group])
+            for w, err in zip(group, errors):
+                self._report(rt, self._wrote(rt, w.ev, err), w.t0)
+        for rt, group in _by_pool(reads):
             try:
-                return await rt.redis.get(ev.key)
+                got = await rt.redis.get_many([r.ev.key for r in group])
             except redis.exceptions.RedisError as e:
-                rt.redis.stats.errors += 1
-                self.log.warning("tier.redis_read_failed", pool=rt.name, error=f"{type(e).__name__}: {e}")
-                return None
-        src = rt.local(ev.src)
-        if src is None:
+                got = [e] * len(group)
+            for r, one in zip(group, got):
+                self._report(rt, await self._promoted(rt, r.ev, one), r.t0)
+
+    def _wrote(self, rt: PoolRuntime, ev: Store | Demote | Copy, err: Exception | None) -> Fact:
+        if err is not None:
+            rt.redis.stats.errors += 1
+            if isinstance(ev, Store):
+                rt.counters.puts_dropped += 1
+            return self._failed(rt, ev, "redis", f"{type(err).__name__}: {err}")
+        if any(rt.placement.tiers[t].get(ev.key) is not None for t in (Tier.GPU, Tier.CPU)):
+            # Remember it only while a local copy exists: that is what eviction consults.
+            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
+            rt.directory.set_flag(ev.key, IN_REDIS, True)
+        return self._stored(rt, ev, -1)
+
+    async def _promoted(self, rt: PoolRuntime, ev: Promote | Demote | Copy, got) -> Fact:
+        """A block read from Redis: store it here, or report the miss."""
+        if isinstance(got, Exception):
+            rt.redis.stats.errors += 1
+            self.log.warning("tier.redis_read_failed", pool=rt.name, error=f"{type(got).__name__}: {got}")
+            got = None
+        if got is None:  # expired, evicted or corrupt there: stop believing in it
+            self._forget_redis(rt, ev.key)
+            return self._failed(rt, ev, "source_miss", "redis no longer holds a valid copy")
+        return await self._store_local(rt, ev, got[0], got[1])
+
+    # --- promote / demote: another tier -> this tier -------------------------------------------
+
+    async def _transfer(self, rt: PoolRuntime, ev: Promote | Demote | Copy, t0: float) -> Fact | None:
+        dst = rt.local(self.tier)
+        if self.tier != Tier.REDIS:
+            if dst is None:
+                raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
+            if (have := dst.index.get(ev.key)) is not None:
+                return Stored(rt.name, ev.key, ev.parent, self.tier, have.slot, ev.TYPE)
+        if ev.src == Tier.REDIS:
+            if self.tier == Tier.REDIS:
+                raise MalformedEvent(f"{ev.TYPE} from redis to redis")
+            self._queue_read(_RedisRead(rt, ev, t0))
             return None
-        buf = self._buf(rt.layout.block_bytes)
-        csum = src.read(ev.key, buf)
-        return None if csum is None else (buf, csum)
+        src = rt.local(ev.src)
+        slot = None if src is None else src.slot_of(ev.key)
+        if self.tier == Tier.REDIS:  # read the source straight into the value to send
+            value, buf = rt.redis.new_value()
+        else:
+            value, buf = None, self._buf(rt.layout.block_bytes)
+        csum = None if slot is None else await self._off_loop(buf.nbytes, src.read_slot, slot, ev.key, buf)
+        if csum is None:
+            return self._failed(rt, ev, "source_miss", f"{ev.src.label} no longer holds a valid copy")
+        if value is not None:
+            self._queue_write(_RedisWrite(rt, ev, rt.redis.seal(value, ev.key, csum), t0))
+            return None
+        return await self._store_local(rt, ev, buf, csum)
+
+    async def _store_local(self, rt: PoolRuntime, ev: Promote | Demote | Copy, payload: np.ndarray,
+                           csum: int) -> Fact:
+        dst = rt.local(self.tier)
+        entry = await self._write_local(rt, dst, ev.key, ev.parent, payload, csum)
+        if entry is None:
+            return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict")
+        return self._stored(rt, ev, entry.slot)
 
     async def _write_local(self, rt: PoolRuntime, dst: LocalTier, key: bytes, parent: bytes | None,
                            data: np.ndarray, csum: int):
-        entry = dst.write(key, parent, data, csum)
-        if entry is None and await self._make_room(rt, dst):
-            entry = dst.write(key, parent, data, csum)
-        return entry
+        if (have := dst.index.get(key)) is not None:
+            return have
+        e = dst.begin(key, parent)
+        if e is None and await self._make_room(rt, dst):
+            e = dst.begin(key, parent)
+        if e is None:
+            return None
+        try:
+            await self._off_loop(data.nbytes, dst.fill, e, data, csum)
+        except BaseException:
+            dst.abort(e)
+            raise
+        return dst.finish(e)
+
+    async def _off_loop(self, nbytes: int, fn, *args):
+        """Run a block copy in a thread when it is big enough to stall the loop. Once started it
+        is waited for even if we are cancelled: it writes into a slot we are about to free."""
+        if nbytes < self.off_loop_bytes:
+            return fn(*args)
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait([fut])
+                except asyncio.CancelledError:
+                    continue
+            raise
 
     async def _make_room(self, rt: PoolRuntime, dst: LocalTier) -> bool:
         """Full: drop one block the next tier holds (confirmed with Redis for the cpu tier).
@@ -309,3 +392,26 @@ class TierWorker:
         self.log.warning("tier.transfer_failed", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                          why=why, detail=detail)
         return Removed(rt.name, ev.key, self.tier, f"{ev.TYPE}_failed:{why}")
+
+
+@dataclass(slots=True)
+class _RedisWrite:
+    rt: PoolRuntime
+    ev: Store | Demote | Copy
+    value: bytearray  # header + payload, ready to SET
+    t0: float  # when the command was received
+
+
+@dataclass(slots=True)
+class _RedisRead:
+    rt: PoolRuntime
+    ev: Promote | Demote | Copy
+    t0: float
+
+
+def _by_pool(items: list) -> list[tuple[PoolRuntime, list]]:
+    """Group queued operations by pool, keeping their order within each pool."""
+    groups: dict[str, tuple[PoolRuntime, list]] = {}
+    for item in items:
+        groups.setdefault(item.rt.name, (item.rt, []))[1].append(item)
+    return list(groups.values())

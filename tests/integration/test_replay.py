@@ -108,7 +108,8 @@ class Perturb:
 class Node:
     """One pool's coordinator and tier workers, wired to `Streams`."""
 
-    def __init__(self, redis_client, perturb: Perturb | None) -> None:
+    def __init__(self, redis_client, perturb: Perturb | None, off_loop_bytes: int = 256 << 10,
+                 pipeline_bytes: int = 64 << 20) -> None:
         self.node = f"replay-{uuid.uuid4().hex[:10]}"
         log = structlog.get_logger().bind(node=self.node)
         self.rt = open_pool(POOL, self.node, POLICY, redis_client, 3600, None, log)
@@ -117,7 +118,9 @@ class Node:
         self.names = StreamNames(self.node)
         self.streams = Streams(self.names, epoch=1)
         self.coordinator = coordinator = Coordinator(pools, self.staging, self.streams, self.names, log)
-        self.workers = {t: TierWorker(t, pools, self.staging, self.streams, self.names.facts, log) for t in Tier}
+        self.workers = {t: TierWorker(t, pools, self.staging, self.streams, self.names.facts, log,
+                                      off_loop_bytes=off_loop_bytes, pipeline_bytes=pipeline_bytes)
+                        for t in Tier}
         self.consumers = {self.names.client: coordinator, self.names.facts: coordinator,
                           **{self.names.tier(t): w for t, w in self.workers.items()}}
         self.perturb = perturb
@@ -214,12 +217,12 @@ class Node:
         close_pool(self.rt, persist_arena=False)
 
 
-async def _original(redis_client, seed: int) -> tuple[list, dict, list[bytes]]:
+async def _original(redis_client, seed: int, **knobs) -> tuple[list, dict, list[bytes]]:
     """Run the seeded workload in order, exactly once; return the client log and the final state."""
     rng = random.Random(seed)
     prompts, parent = _forest(rng)
     universe = sorted(parent)
-    node = Node(redis_client, None)
+    node = Node(redis_client, None, **knobs)
     log: list = []
     try:
         for _ in range(STEPS):
@@ -252,8 +255,8 @@ async def _step(node: Node, ev) -> None:
     await node.settle(drain_late=False)
 
 
-async def _replay(redis_client, log: list, universe: list[bytes], perturb: Perturb) -> tuple[dict, dict]:
-    node = Node(redis_client, perturb)
+async def _replay(redis_client, log: list, universe: list[bytes], perturb: Perturb, **knobs) -> tuple[dict, dict]:
+    node = Node(redis_client, perturb, **knobs)
     try:
         for ev in log:
             await _step(node, ev)
@@ -300,21 +303,23 @@ def _put_keys(log: list) -> set[bytes]:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_duplicated_and_swapped_deliveries_reach_the_original_state(redis_client, seed: int) -> None:
     """Duplicates in every stream, at once or late (after later entries and later client steps),
-    and swapped neighbours in the client and facts streams: exactly the original final state."""
+    and swapped neighbours in the client and facts streams: exactly the original final state.
+    Seed 2 runs every copy in a thread and sends Redis I/O in pipelines of a few blocks."""
+    knobs = {"off_loop_bytes": 0, "pipeline_bytes": 512} if seed == 2 else {}
     await redis_client.flushall()
-    log, original, universe = await _original(redis_client, seed)
+    log, original, universe = await _original(redis_client, seed, **knobs)
     assert original["gpu"] and original["cpu"] and original["redis"], "the workload should use every tier"
     assert sum(isinstance(e, Put) for e in log) >= 10 and any(isinstance(e, Prefetch) for e in log)
     assert _held(original).keys() == _put_keys(log), "the original run lost blocks"
 
     await redis_client.flushall()
-    again, _ = await _replay(redis_client, log, universe, Perturb(random.Random(0), dup=0, late=0, swap=0))
+    again, _ = await _replay(redis_client, log, universe, Perturb(random.Random(0), dup=0, late=0, swap=0), **knobs)
     assert again == original, "an unperturbed replay must be exact:\n" + _diff(original, again)
 
     for r in range(2):
         await redis_client.flushall()
         perturb = Perturb(random.Random(1000 * seed + r), swap_in=("client", "facts"))
-        replay, skipped = await _replay(redis_client, log, universe, perturb)
+        replay, skipped = await _replay(redis_client, log, universe, perturb, **knobs)
         assert min(perturb.counts.values()) > 0 and sum(skipped.values()) > 0, (perturb.counts, skipped)
         _held(replay)
         assert replay == original, f"replay {r} ({perturb.counts}, skipped {skipped}) diverged:\n" + _diff(

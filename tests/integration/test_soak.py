@@ -91,7 +91,13 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     cold_rate = total["cold_hits"] / max(1, total["cold_blocks"])
     assert total["hot_blocks"] and total["cold_blocks"], total
     assert hot_rate > cold_rate, (hot_rate, cold_rate)
-    print(f"\nsoak {SOAK_S:.0f}s: {total['requests']} requests, {total['local_hits']}/{total['blocks']} blocks "
-          f"from shm, {total['redis_hits']} via Redis; gpu hits {tiers['gpu']['hits']}, cpu hits "
-          f"{tiers['cpu']['hits']}; hottest prompt {hot_rate:.0%} local, colder half {cold_rate:.0%}; "
-          f"{len(left)} blocks left a local tier, none lost")
+    n = max(1, total["blocks"])
+    gpu_h, cpu_h = tiers["gpu"]["hits"], tiers["cpu"]["hits"]
+    print(f"\nsoak {SOAK_S:.0f}s: {total['requests']} requests, {total['blocks']} blocks wanted; "
+          f"read from gpu {gpu_h / n:.1%}, cpu {cpu_h / n:.1%}, other local (tier moved meanwhile) "
+          f"{(total['local_hits'] - gpu_h - cpu_h) / n:.1%}; pulled back from Redis {total['redis_hits'] / n:.1%}; "
+          f"hottest prompt {hot_rate:.0%} local, colder half {cold_rate:.0%}; "
+          f"{len(left)} blocks left a local tier, none lost; wrong blocks {total['wrong_blocks']}")
+    print("daemon tiers: " + "; ".join(
+        f"{t} promoted_in {tiers[t]['promoted_in']} demoted_in {tiers[t]['demoted_in']} evicted {tiers[t]['evicted']} "
+        f"failed {tiers[t]['failed']} stale {tiers[t]['stale']}" for t in ("gpu", "cpu", "redis")))

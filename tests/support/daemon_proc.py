@@ -56,6 +56,7 @@ max_deliveries = 3
 shutdown_grace_s = 5.0
 stats_interval_s = 0.1
 persist_arena = {str(persist_arena).lower()}
+off_loop_copy_bytes = 0  # every copy off the event loop: the thread path is the one tested
 {extra}
 """ + POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu))
     return path
