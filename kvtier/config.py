@@ -39,6 +39,7 @@ from kvtier.config_schema import (
     string,
 )
 from kvtier.errors import KvtierError
+from kvtier.failpoints import SPEC as FAILPOINT
 from kvtier.layout import DTYPE_BYTES, BlockLayout
 
 ENV_PREFIX = "KVTIER__"
@@ -111,6 +112,8 @@ class DaemonConfig:
     watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
     # Block copies at least this big run in a thread, off the event loop (0: every copy).
     off_loop_copy_bytes: int = setting(size(), 256 << 10)
+    # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
+    failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,8 @@ async def _worker(args, stop: dict) -> dict:
     rng = np.random.default_rng(args.seed)
     weights = 1.0 / np.arange(1, len(prompts) + 1) ** 1.1  # zipf: a few prompts are hot
     weights /= weights.sum()
-    r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, wrong_blocks=0, put_staged=0, put_dropped=0,
-             gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0)
+    r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, via_redis=0, wrong_blocks=0, put_staged=0,
+             put_dropped=0, gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0)
     max_blocks = max(len(p) for p in prompts) // 16 + 4
     out = torch.empty((max_blocks, *pool.shape), dtype=pool.dtype)
     try:
@@ -90,6 +90,7 @@ async def _worker(args, stop: dict) -> dict:
             r["requests"] += 1
             r["blocks"] += len(keys)
             r["local_hits"] += n
+            r["via_redis"] += max(0, n - found.length)  # read now, but only in Redis at lookup
             # The prompt part only: how well the hottest vs the colder half of prompts is served.
             band = "hot" if rank == 0 else "cold" if rank >= len(prompts) // 2 else None
             if band:

@@ -34,4 +34,7 @@ def render_status(stats: dict) -> str:
     bus = stats.get("bus", {})
     if bus:
         lines.append("bus: " + "  ".join(f"{k} {v}" for k, v in sorted(bus.items())))
+    loop = stats.get("loop", {})
+    if loop:
+        lines.append(f"event loop lag: {loop.get('lag_ms', 0):.1f} ms now, {loop.get('lag_max_ms', 0):.1f} ms max")
     return "\n".join(lines)

@@ -31,10 +31,12 @@ from redis.exceptions import ConnectionError, RedisError, ResponseError, Timeout
 from kvtier.bus.codec import NAME_RE, decode, encode
 from kvtier.bus.events import Envelope, Event
 from kvtier.errors import MalformedEvent
+from kvtier.failpoints import Failpoints
 
 FIELD = b"e"
 REASON_MAX_DELIVERIES = "max deliveries exceeded"
 REASON_MISSING_FIELD = "missing field 'e'"
+REASON_EXTRA_FIELDS = "entry has fields besides the payload"
 CANCEL_FLUSH_TIMEOUT_S = 1.0  # bounded: a cancelled consumer must not hang on a dead Redis
 
 
@@ -139,6 +141,7 @@ class Consumer:
         stats: BusStats,
         log: Any,
         after_batch: Callable[[], Awaitable[None]] | None = None,
+        failpoints: Failpoints | None = None,
     ) -> None:
         if not streams or dlq in streams:
             raise ValueError("need at least one stream, and the dlq must not be one of them")
@@ -159,6 +162,7 @@ class Consumer:
         # Called once per batch, after the handler has seen every entry and before any is acked:
         # lets a handler buffer its own output (commands, facts) and publish it in one round trip.
         self._after_batch = after_batch
+        self._failpoints = failpoints or Failpoints()
         self._dlq = dlq
         self._read_count = read_count
         self._block_ms = block_ms
@@ -300,6 +304,7 @@ class Consumer:
         acks: dict[str, list[bytes]] = {}
         dead: list[DeadLetter] = []
         effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
+        failed: RedisError | None = None
         try:
             for stream, entries in batches:
                 done = acks.setdefault(stream, [])
@@ -310,12 +315,14 @@ class Consumer:
                 try:
                     await self._after_batch()
                     effects_done = True
-                except Exception:
+                except Exception as e:
                     # The batch's effects are not complete: ack nothing it handled, so every
                     # entry comes back (handlers are idempotent). Dead letters stand.
                     self.stats.handler_errors += 1
                     self._log.error("bus.after_batch_error", exc_info=True)
                     acks = {}
+                    if isinstance(e, RedisError):
+                        failed = e
         except asyncio.CancelledError:
             # Ack (shielded, bounded) only what has really taken effect, then keep cancelling.
             # Without the batch hook having run, handled entries stay pending and come back.
@@ -325,7 +332,13 @@ class Consumer:
                 await asyncio.shield(asyncio.wait_for(self._flush(acks, dead), CANCEL_FLUSH_TIMEOUT_S))
             raise
         handled, dead_count = sum(map(len, acks.values())), len(dead)
+        if handled:
+            self._failpoints.reached("after_xadd")
         await self._flush(acks, dead)
+        if failed is not None:
+            # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
+            # before reading more, rather than fail every new batch the same way at once.
+            raise failed
         self._log.debug("bus.batch", handled=handled, dead=dead_count)
 
     async def _handle_one(
@@ -350,6 +363,9 @@ class Consumer:
                 return
         if raw is None:
             dead.append((stream, entry_id, REASON_MISSING_FIELD, None))
+            return
+        if len(fields) != 1:  # kvtier writes exactly one field: anything else is not ours
+            dead.append((stream, entry_id, REASON_EXTRA_FIELDS, raw))
             return
         try:
             envelope = decode(raw)

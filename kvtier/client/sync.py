@@ -25,7 +25,12 @@ class SyncClient:
             raise
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(self._timeout)
+        except BaseException:
+            fut.cancel()  # timed out or interrupted: do not leave the call running behind our back
+            raise
 
     def block_keys(self, pool: str, token_ids: Sequence[int], *, salt: bytes | None = None,
                    lora_id: str | None = None) -> list[BlockKey]:

@@ -25,10 +25,12 @@ from kvtier.config import Config
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.descriptor import DESCRIPTOR, FORMAT_VERSION, STATS, write_json_atomic
 from kvtier.daemon.embedded_redis import EmbeddedRedis
+from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.staging import StagingSegments
 from kvtier.errors import KvtierError
+from kvtier.failpoints import Failpoints
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
@@ -99,6 +101,10 @@ class Daemon:
         self.names = StreamNames(cfg.node.id)
         self.runtime_dir = cfg.node.runtime_dir
         self.epoch = time.time_ns()
+        self.failpoints = Failpoints(cfg.daemon.failpoint)
+        self.loop_lag = LoopLag()
+        if cfg.daemon.failpoint:
+            self.log.warning("daemon.failpoint_armed", failpoint=cfg.daemon.failpoint)
         self.started = time.monotonic()
         self.bus_stats = BusStats()
         self.pools: dict[str, PoolRuntime] = {}
@@ -141,7 +147,7 @@ class Daemon:
             for t in Tier:
                 worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
                                     off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
-                                    pipeline_bytes=cfg.redis.pipeline_bytes)
+                                    pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
                 self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
                                                      worker.flush))
             self._write_descriptor(url, bus_url, gid)
@@ -163,7 +169,7 @@ class Daemon:
             bus, streams, GROUP, f"{self.cfg.node.id}-{role}", handler,
             dlq=self.names.dlq, read_count=b.read_count, block_ms=b.block_ms, claim_idle_ms=b.claim_idle_ms,
             max_deliveries=b.max_deliveries, publisher_maxlen=b.stream_maxlen, stats=self.bus_stats,
-            log=self.log.bind(worker=role), after_batch=after_batch,
+            log=self.log.bind(worker=role), after_batch=after_batch, failpoints=self.failpoints,
         )
 
     async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments) -> None:
@@ -173,6 +179,7 @@ class Daemon:
             chores = [
                 tg.create_task(self._every(self.cfg.daemon.stats_interval_s, self._write_stats)),
                 tg.create_task(self._every(REAP_INTERVAL_S, staging.reap)),
+                tg.create_task(self.loop_lag.run()),
             ]
             if self.notifier.watchdog_s:
                 interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
@@ -226,5 +233,6 @@ class Daemon:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "written_at": time.time(),
             "bus": self.bus_stats.as_dict(),
+            "loop": self.loop_lag.as_dict(),
             "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
         })

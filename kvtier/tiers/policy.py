@@ -19,7 +19,9 @@ Rules (config `[policy]`):
   read N times go to Redis (write-through copies them on the N-th read); cpu drops the others
   when it sheds them, with the reason "unreused" (Dynamo's frequency filter).
 - A prefetch promotes the blocks that are not local from Redis into `prefetch_to` (cpu, or gpu
-  while it has room), and leases them for
+  while it has room). A block with no free cpu slot yet waits (up to half the tier, for
+  `prefetch_lease_s`) and is promoted as shedding frees room: a promote is sent only with a
+  slot for it. Prefetched blocks are leased for
   `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
   prefetch into a full tier is not undone before the client gets to read it. Leases cover at
   most half the local slots, so prefetches cannot crowd out the blocks that are being read.
@@ -79,6 +81,9 @@ class Placement:
         self._incoming: dict[Tier, dict[bytes, float]] = {t: {} for t in LOCAL}
         self._leaving: dict[tuple[Tier, bytes], float] = {}  # (tier, key) chosen to leave -> give-up time
         self._leases: dict[bytes, float] = {}  # prefetched key -> lease expiry
+        # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
+        # first): key -> (parent, give-up time). Promoted as shedding frees room.
+        self._wanted: dict[bytes, tuple[bytes | None, float]] = {}
         # Demotes in flight: (destination, key) -> source. A block can be leaving gpu and cpu at
         # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
         # the fact alone does not say which copy a completed write-back releases.
@@ -159,9 +164,16 @@ class Placement:
             g, c = (self.tiers[t].get(key) for t in LOCAL)
             if g is None and c is None:
                 dst = Tier.GPU if to_gpu and self.room(Tier.GPU) > 0 else Tier.CPU
-                if all(key not in self._incoming[t] for t in LOCAL):
-                    out.append(Promote(self.pool, key, parent, Tier.REDIS, dst, -1, 0))
-                    self._incoming[dst][key] = now + self.knobs.transfer_timeout_s
+                if all(key not in self._incoming[t] for t in LOCAL) and key not in self._wanted:
+                    if dst == Tier.CPU and self.room(Tier.CPU) <= 0:
+                        # No slot to promote into yet: wait for one (shedding makes it) rather
+                        # than send a promote that can only fail for want of room. At most half
+                        # the tier waits, so one huge prefetch cannot flush the whole tier.
+                        if len(self._wanted) < (cpu.capacity or 0) // 2:
+                            self._wanted[key] = (parent, expiry)
+                    else:
+                        out.append(Promote(self.pool, key, parent, Tier.REDIS, dst, -1, 0))
+                        self._incoming[dst][key] = now + self.knobs.transfer_timeout_s
             elif (to_gpu and g is None and c is not None and c.state is State.READY
                   and self.room(Tier.GPU) > 0 and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, parent, Tier.CPU, Tier.GPU, c.slot, 0))
@@ -207,6 +219,8 @@ class Placement:
                 self._unmark(src, fact.key)
         if isinstance(fact, Removed) and fact.cause.startswith("evict:"):
             self._leaving.pop((fact.tier, fact.key), None)
+        if isinstance(fact, Removed) and fact.cause.startswith(f"{Promote.TYPE}_failed:"):
+            self._leases.pop(fact.key, None)  # nothing came: do not hold a lease slot for it
         if (isinstance(fact, Stored) and fact.tier in LOCAL and fact.cause == Store.TYPE
                 and self.knobs.redis_write is RedisWrite.WRITE_THROUGH and not self.knobs.redis_admit_after_hits
                 and fact.key not in self.tiers[Tier.REDIS]):
@@ -235,16 +249,31 @@ class Placement:
         self._unmark(t, key)
 
     def pressure(self, now: float) -> list[Command]:
-        """Shed blocks from every local tier above its high watermark."""
+        """Promote prefetched blocks that now have room; shed blocks from every local tier
+        above its high watermark (counting prefetched blocks still waiting for room)."""
         self._expire(now)
-        out: list[Command] = []
+        out = self._promote_wanted(now)
         for t in LOCAL:
             out.extend(self._shed(t, now))
+        return out
+
+    def _promote_wanted(self, now: float) -> list[Command]:
+        out: list[Command] = []
+        for key in list(self._wanted):
+            if self.room(Tier.CPU) <= 0:
+                break
+            parent, _ = self._wanted.pop(key)
+            if any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
+                continue
+            out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+            self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
         return out
 
     def _expire(self, now: float) -> None:
         for key in [k for k, until in self._leases.items() if until <= now]:
             del self._leases[key]
+        for key in [k for k, (_, until) in self._wanted.items() if until <= now]:
+            del self._wanted[key]
         for pending in self._incoming.values():
             for key in [k for k, until in pending.items() if until <= now]:
                 del pending[key]
@@ -262,7 +291,8 @@ class Placement:
         idx = self.tiers[t]
         if not idx.capacity:
             return []
-        staying = idx.used + self.incoming(t) - idx.leaving
+        wanted = len(self._wanted) if t == Tier.CPU else 0
+        staying = idx.used + self.incoming(t) + wanted - idx.leaving
         if staying <= self.knobs.high_watermark * idx.capacity:
             return []
         excess = staying - int(self.knobs.low_watermark * idx.capacity)

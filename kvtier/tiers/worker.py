@@ -20,6 +20,7 @@ from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent, SegmentError
+from kvtier.failpoints import Failpoints
 from kvtier.tiers.directory import IN_REDIS
 from kvtier.tiers.fence import CommandFence
 from kvtier.tiers.local import LocalTier
@@ -31,7 +32,8 @@ Fact = Stored | Removed
 
 class TierWorker:
     def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging, publisher, facts_stream: str,
-                 log, *, off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20) -> None:
+                 log, *, off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20,
+                 failpoints: Failpoints | None = None) -> None:
         self.tier = tier
         self.pools = pools
         self.staging = staging
@@ -47,6 +49,7 @@ class TierWorker:
         self.applied = AppliedEntries()
         self._fences: list[tuple[str, bytes, tuple[int, int]]] = []  # applied in this batch
         self.off_loop_bytes = off_loop_bytes
+        self.failpoints = failpoints or Failpoints()
         self.pipeline_bytes = pipeline_bytes
         self._writes: list[_RedisWrite] = []  # queued SETs (the redis worker)
         self._reads: list[_RedisRead] = []  # queued GETs (promotes from Redis into this tier)
@@ -195,7 +198,11 @@ class TierWorker:
         self._queued.clear()
         self._queued_bytes = 0
         for rt, group in _by_pool(writes):
-            errors = await rt.redis.put_many([(w.ev.key, w.value) for w in group])
+            put = asyncio.ensure_future(rt.redis.put_many([(w.ev.key, w.value) for w in group]))
+            if self.failpoints.armed("redis_write"):
+                await asyncio.sleep(0)  # let the pipeline start sending, then die mid-write
+                self.failpoints.reached("redis_write")
+            errors = await put
             for w, err in zip(group, errors):
                 self._report(rt, self._wrote(rt, w.ev, err), w.t0)
         for rt, group in _by_pool(reads):
@@ -227,7 +234,13 @@ class TierWorker:
         if got is None:  # expired, evicted or corrupt there: stop believing in it
             self._forget_redis(rt, ev.key)
             return self._failed(rt, ev, "source_miss", "redis no longer holds a valid copy")
-        return await self._store_local(rt, ev, got[0], got[1])
+        fact = await self._store_local(rt, ev, got[0], got[1])
+        if isinstance(fact, Stored):
+            # It came from Redis, so Redis holds it: this tier may drop it again without
+            # writing it back (an evict, not a demote), and make room with it when full.
+            rt.placement.tiers[Tier.REDIS].add(ev.key, ev.parent)
+            rt.directory.set_flag(ev.key, IN_REDIS, True)
+        return fact
 
     # --- promote / demote: another tier -> this tier -------------------------------------------
 
@@ -274,11 +287,16 @@ class TierWorker:
             e = dst.begin(key, parent)
         if e is None:
             return None
+        if self.tier == Tier.CPU and self.failpoints.due("shm_torn") and dst.device_payload is None:
+            dst.table.begin_write(e.slot)  # die halfway through the copy: the slot stays odd
+            dst.table.payloads()[e.slot, : data.nbytes // 2] = data.reshape(-1).view(np.uint8)[: data.nbytes // 2]
+            self.failpoints.die()
         try:
             await self._off_loop(data.nbytes, dst.fill, e, data, csum)
         except BaseException:
             dst.abort(e)
             raise
+        self.failpoints.reached("shm_written")
         return dst.finish(e)
 
     async def _off_loop(self, nbytes: int, fn, *args):

@@ -97,6 +97,16 @@ class DaemonProcess:
             return
         self.messages.extend(data.decode().splitlines())
 
+    def take_messages(self) -> list[str]:
+        """Every notification received since the last call (queued in the socket included)."""
+        while self._sock is not None:
+            n = len(self.messages)
+            self._drain(0.0)
+            if len(self.messages) == n:
+                break
+        taken, self.messages = self.messages, []
+        return taken
+
     def wait_for_message(self, msg: str, timeout: float) -> None:
         def seen() -> bool:
             if msg in self.messages:

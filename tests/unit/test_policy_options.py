@@ -89,3 +89,23 @@ def test_reverting_a_copy_changes_nothing() -> None:
     before = (p.room(Tier.GPU), p.room(Tier.CPU))
     p.revert([Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)])
     assert (p.room(Tier.GPU), p.room(Tier.CPU)) == before
+
+
+def test_a_prefetch_into_a_full_cpu_waits_for_room_instead_of_failing() -> None:
+    p = placement(gpu=0, cpu=4, high_watermark=0.9, low_watermark=0.5)
+    put(p, Tier.CPU, [10, 11, 12, 13])  # full, four unrelated cold blocks, Redis holds them
+    for i in (10, 11, 12, 13):
+        p.tiers[Tier.REDIS].add(k(i), None)
+    assert p.on_prefetch([k(1), k(2)], None, NOW) == [], "no slot: nothing is sent that must fail"
+    shed = p.pressure(NOW)  # the waiting blocks count as demand: 4 + 2 shed down to 2 (low watermark)
+    assert [type(c) for c in shed] == [Evict] * 4 and {c.key for c in shed} == {k(i) for i in (10, 11, 12, 13)}
+    for c in shed[:2]:  # two evictions complete
+        p.tiers[Tier.CPU].remove(c.key)
+    assert p.pressure(NOW) == [Promote(POOL, k(1), None, Tier.REDIS, Tier.CPU, -1, 0),
+                               Promote(POOL, k(2), k(1), Tier.REDIS, Tier.CPU, -1, 0)], "in chain order"
+    assert p.pressure(NOW) == [], "each once"
+    q = placement(gpu=0, cpu=4)
+    put(q, Tier.CPU, [10, 11, 12, 13])
+    q.on_prefetch([k(1)], None, NOW)
+    q.tiers[Tier.CPU].remove(k(10))
+    assert q.pressure(NOW + 10.0) == [], "a wait longer than the prefetch lease is given up"

@@ -113,6 +113,8 @@ class PolicyMachine(RuleBasedStateMachine):
             for fact in self.apply(cmd):
                 self.history.append(fact)
                 facts.append(fact)
+                if isinstance(fact, Removed) and fact.cause.startswith("promote_failed:"):
+                    self.leases.pop(fact.key, None)  # the policy gives up the lease of what never came
                 for c in self.p.on_fact(fact):  # a write-back ends only for its leaving, free block
                     e = self.idx[c.tier].get(c.key) if isinstance(c, Evict) else None
                     assert e is None or (e.leaving and e.pins == 1 and not self.idx[c.tier].children(c.key)), c
@@ -264,6 +266,9 @@ class PolicyMachine(RuleBasedStateMachine):
         shed = self.p.pressure(self.now)
         self.expired()
         for c in shed:  # the decisions themselves: evictable blocks, and safe ways out
+            if isinstance(c, Promote):  # a prefetched block that waited for a cpu slot
+                assert (c.src, c.dst) == (REDIS, CPU) and self.p.tiers[CPU].get(c.key) is None, c
+                continue
             t = c.tier if isinstance(c, Evict) else c.src
             e = self.idx[t].get(c.key)
             assert e.leaving and e.pins == 1 and not self.pins[(t, c.key)], f"{c}: pinned"

@@ -1,0 +1,27 @@
+"""Event-loop lag: how late a short sleep wakes up. A blocked loop stalls every worker, the
+watchdog and the stats, so this is the first number to look at when the daemon seems slow."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class LoopLag:
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.last_ms = 0.0
+        self.max_ms = 0.0  # since start
+        self.samples = 0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            lag = max(0.0, (time.monotonic() - t0 - self.interval_s) * 1000)
+            self.last_ms = lag
+            self.max_ms = max(self.max_ms, lag)
+            self.samples += 1
+
+    def as_dict(self) -> dict:
+        return {"lag_ms": round(self.last_ms, 3), "lag_max_ms": round(self.max_ms, 3), "samples": self.samples}

@@ -1,0 +1,51 @@
+"""Named crash points for fault tests: the daemon SIGKILLs itself when it reaches one.
+
+`[daemon] failpoint = "<name>[:<n>]"` (or KVTIER__DAEMON__FAILPOINT) arms one point: the n-th
+time (default 1) the daemon passes it, it dies as a power cut would, with no cleanup. Empty, the
+default, arms nothing and each check is one string comparison. The points sit where a crash is
+hardest to recover from (fail-rs and gofail do the same for TiKV and etcd):
+
+- shm_written: a block's bytes and header are in the arena, but neither the index, the
+  directory nor the stream knows it yet.
+- shm_torn:    a cpu arena slot is half written (odd generation, part of the bytes copied).
+- after_xadd:  a batch's outcomes are published (XADD), but its entries are not yet acked.
+- redis_write: a pipeline of Redis writes is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+NAMES = ("shm_written", "shm_torn", "after_xadd", "redis_write")
+SPEC = re.compile(rf"({'|'.join(NAMES)})(?::([1-9][0-9]{{0,6}}))?")
+
+
+class Failpoints:
+    def __init__(self, spec: str = "") -> None:
+        m = SPEC.fullmatch(spec) if spec else None
+        if spec and m is None:
+            raise ValueError(f"failpoint must be one of {', '.join(NAMES)}, optionally ':<n>'; got {spec!r}")
+        self.name = m.group(1) if m else ""
+        self.after = int(m.group(2) or 1) if m else 0
+        self.passed = 0
+
+    def armed(self, name: str) -> bool:
+        return name == self.name
+
+    def due(self, name: str) -> bool:
+        """Count a pass; True when this pass is the fatal one (the caller then sets the scene
+        and calls `die`)."""
+        if name != self.name:
+            return False
+        self.passed += 1
+        return self.passed == self.after
+
+    def reached(self, name: str) -> None:
+        if self.due(name):
+            self.die()
+
+    @staticmethod
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
