@@ -55,7 +55,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     cfg = _load(args.file)
-    print(format_config(cfg))
+    print(format_config(cfg, redact=True))
     print(f"# OK: {args.file or '(defaults)'} is valid", file=sys.stderr)
     return 0
 

@@ -388,10 +388,21 @@ def _plain(section: Any) -> dict[str, Any]:
             for key in checked_fields(type(section))}
 
 
-def format_config(cfg: Config) -> str:
-    """The resolved config as TOML text that `load_config` reads back to an equal Config."""
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@|([?&]password=)[^&]*")
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for printing: its password (userinfo or query) replaced by ***."""
+    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", url)
+
+
+def format_config(cfg: Config, *, redact: bool = False) -> str:
+    """The resolved config as TOML text that `load_config` reads back to an equal Config.
+    `redact`: passwords in the Redis URLs are replaced by *** (for printing)."""
     lines = ["# kvtier resolved configuration"]
     data = config_to_dict(cfg)
+    if redact:
+        data["redis"] = {k: redact_url(v) if k in ("url", "bus_url") else v for k, v in data["redis"].items()}
     pools = data.pop("pools")
     tables = [([name], table) for name, table in data.items()]
     tables += [(["pools", name], table) for name, table in pools.items()]

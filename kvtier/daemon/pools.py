@@ -55,11 +55,24 @@ def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log
 
 def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, ttl_s: int,
               gid: int | None, log) -> PoolRuntime:
+    created: list[ShmSegment] = []  # unlinked again if the pool cannot open completely
+    try:
+        return _open_pool(cfg, node, policy, redis_blocks_client, ttl_s, gid, log, created)
+    except BaseException:
+        for seg in created:
+            seg.close()
+            seg.unlink()
+        raise
+
+
+def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, ttl_s: int,
+               gid: int | None, log, created: list[ShmSegment]) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
     dir_cap = directory_capacity(cfg.gpu_blocks + cfg.cpu_blocks)
     dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
+    created.append(dir_seg)
     directory = DirectoryWriter.create(dir_seg, dir_cap, layout.fingerprint)
     indices = {Tier.GPU: TierIndex(cfg.gpu_blocks), Tier.CPU: TierIndex(cfg.cpu_blocks), Tier.REDIS: TierIndex(None)}
 
@@ -70,10 +83,12 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
         name = segment_name(node, cfg.name, "gpu")
         if device.type == "cpu":
             seg = _fresh(name, segment_bytes(cfg.gpu_blocks, bb), gid)
+            created.append(seg)
             table = SlotTable.format(seg, Kind.ARENA, cfg.gpu_blocks, bb, layout.fingerprint)
             gpu_tier = LocalTier(Tier.GPU, table, indices[Tier.GPU], directory)
         else:
             seg = _fresh(name, segment_bytes(cfg.gpu_blocks, bb, with_payload=False), gid)
+            created.append(seg)
             table = SlotTable.format(seg, Kind.GPU_HEADERS, cfg.gpu_blocks, bb, layout.fingerprint)
             payload = gpu_mem.allocate_device_pool(cfg.gpu_blocks, bb, device)
             gpu_tier = LocalTier(Tier.GPU, table, indices[Tier.GPU], directory, device_payload=payload)

@@ -95,3 +95,74 @@ def test_unreachable_redis_fails_start_with_a_clear_error(tmp_path):
     assert d.proc.returncode == 1
     assert "daemon.fatal" in d.log_tail() and "nothing-here.sock" in d.log_tail()
     d.kill()
+
+
+def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
+    """An ACL user that may only touch kvtier's keys: the daemon and its clients work with it;
+    a wrong password stops the start with a clear error that does not print the password."""
+    import asyncio
+
+    import torch
+
+    from kvtier.client import Client
+    from tests.support.daemon_proc import DaemonProcess, write_config
+
+    admin = redis_server.client()
+    admin.acl_setuser("kvtier-node", enabled=True, passwords=["+s3cret-pw"], keys=["kvtier:*"],
+                      channels=["*"], commands=["+@all", "-@dangerous"])
+    try:
+        url = f"unix://kvtier-node:s3cret-pw@{redis_server.socket_path}"
+        cfg = write_config(tmp_path, node=f"acl-{uuid.uuid4().hex[:8]}", redis_url=url)
+        d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start()
+
+        async def roundtrip() -> None:
+            async with await Client.connect(d.runtime_dir) as client:
+                keys = client.block_keys("t", list(range(32)))
+                kv = torch.arange(2 * 2 * 2 * 2 * 16 * 32, dtype=torch.float16).reshape(2, 2, 2, 2, 16, 32)
+                assert (await client.put("t", keys, kv)).dropped == 0
+                assert await client.wait_resident("t", keys, timeout=10)
+                out = torch.zeros_like(kv)
+                assert await client.get("t", keys, out) == 2 and torch.equal(out, kv)
+
+        asyncio.run(roundtrip())
+        assert d.stop() == 0
+
+        bad = write_config(tmp_path, node=f"acl-bad-{uuid.uuid4().hex[:8]}",
+                           redis_url=url.replace("s3cret-pw", "wrong-pw"))
+        b = DaemonProcess(bad, bad.parent / f"rt-{bad.stem}").start(wait_ready=False)
+        wait_until(lambda: b.proc.poll() is not None, timeout=30, message="daemon exits")
+        assert b.proc.returncode == 1
+        tail = b.log_tail()
+        assert "daemon.fatal" in tail and ("WRONGPASS" in tail or "invalid" in tail.lower()), tail
+        assert "wrong-pw" not in tail, "the password leaked into the log"
+        b.kill()
+    finally:
+        admin.acl_deluser("kvtier-node")
+        admin.close()
+
+
+@pytest.mark.parametrize("part", ["dir", "cpu"])
+def test_a_squatter_segment_under_our_name_is_refused_never_attached(tmp_path, redis_url, part):
+    """Someone else pre-created the segment the daemon is about to create (the directory, or the
+    cpu arena it would re-attach): the start fails with the reason, and the squatter's file is
+    left untouched (neither attached, nor unlinked and replaced)."""
+    from tests.support.daemon_proc import DaemonProcess, write_config
+
+    cfg = write_config(tmp_path, node=f"squat-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    path = Path("/dev/shm") / f"kvtier.{cfg.stem}.t.{part}"
+    path.write_bytes(b"\0" * 65536)
+    try:
+        if os.geteuid() == 0:
+            os.chown(path, 65534, 65534)  # root runs the suite: a segment owned by "nobody"
+        else:
+            path.chmod(0o666)  # one's own, but writable by anyone: refused just the same
+        d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start(wait_ready=False)
+        wait_until(lambda: d.proc.poll() is not None, timeout=30, message="daemon exits")
+        assert d.proc.returncode == 1
+        assert "refusing" in d.log_tail(), d.log_tail()
+        assert path.exists() and path.read_bytes() == b"\0" * 65536, "the squatter's file was touched"
+        left = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"kvtier.{cfg.stem}.")}
+        assert left == {path.name}, f"the failed start leaked {left - {path.name}}"
+        d.kill()
+    finally:
+        path.unlink(missing_ok=True)

@@ -271,3 +271,14 @@ def test_capacity_in_bytes_is_checked(tmp_path: Path) -> None:
     assert problem.startswith("pools.llama.cpu_bytes: expected a size in bytes")
     (problem,) = problems_of(write(tmp_path, POOL + "cpu_bytes = -1\n"))
     assert problem.startswith("pools.llama.cpu_bytes: expected a size in bytes")
+
+
+def test_printed_config_hides_redis_passwords(tmp_path: Path) -> None:
+    from kvtier.config import redact_url
+
+    assert redact_url("redis://kv:s3cr%40t@host:6379/0") == "redis://kv:***@host:6379/0"
+    assert redact_url("rediss://:pw@host:6380") == "rediss://:***@host:6380"
+    assert redact_url("unix://kv@/run/redis.sock?db=1&password=pw") == "unix://kv@/run/redis.sock?db=1&password=***"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+    cfg = load_config(write(tmp_path, POOL + '[redis]\nurl = "redis://kv:s3cret@127.0.0.1:6379/0"\n'), {})
+    assert "s3cret" not in format_config(cfg, redact=True) and "s3cret" in format_config(cfg)
