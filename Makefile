@@ -4,12 +4,12 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.kvtier-installed
 
-.PHONY: run test setup redis-server clean
+.PHONY: run test setup redis-server test-tools clean
 
 run: $(STAMP) redis-server
 	$(BIN)/kvtier demo
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server test-tools
 	$(BIN)/python -m pytest -q
 
 setup: $(STAMP) redis-server
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml scripts/setup-venv.sh
 
 redis-server:
 	@scripts/ensure-redis-server.sh
+
+test-tools:
+	@scripts/ensure-test-tools.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from kvtier.config import ConfigError, default_runtime_dir, format_config, load_config
@@ -65,13 +66,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvtier.status import render_status
 
     rdir = Path(args.runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
+    prev, shown = None, 0
     try:
-        stats = read_json(rdir / STATS)
-    except (OSError, ValueError) as e:
-        print(f"kvtier: no daemon stats at {rdir / STATS}: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(stats, indent=1) if args.json else render_status(stats))
-    return 0
+        while True:
+            try:
+                stats = read_json(rdir / STATS)
+            except (OSError, ValueError) as e:
+                print(f"kvtier: no daemon stats at {rdir / STATS}: {e}", file=sys.stderr)
+                return 1
+            text = json.dumps(stats, indent=1) if args.json else render_status(stats, prev)
+            if args.watch and sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")  # redraw in place, like top
+            print(text, flush=True)
+            shown += 1
+            if not args.watch or (args.count and shown >= args.count):
+                return 0
+            prev = stats
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -103,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="show tiers and counters of the running daemon")
     s.add_argument("--runtime-dir", help="the daemon's runtime directory")
     s.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    s.add_argument("--watch", "-w", action="store_true", help="refresh until Ctrl-C, with rates per second")
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes")
     s.set_defaults(fn=cmd_status)
 
     m = sub.add_parser("demo", help="start a daemon on the embedded Redis and drive a shared-prefix workload")

@@ -105,6 +105,17 @@ class BusConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    # The Prometheus endpoint, "host:port" ("" = off). Loopback by default: the numbers reveal
+    # traffic patterns, and scraping is meant for the node's own agent. Port 0 picks a free one
+    # (written to stats.json as metrics_url).
+    listen: str = setting(string(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}", "host:port"),
+                          "127.0.0.1:9464", text=True)
+    # How often stream lag and pending counts are sampled from Redis.
+    stream_sample_s: float = setting(number(gt=0), 5.0)
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     shutdown_grace_s: float = setting(number(gt=0), 10.0)
     stats_interval_s: float = setting(number(gt=0), 1.0)
@@ -166,6 +177,7 @@ class Config:
     embedded_redis: EmbeddedRedisConfig
     bus: BusConfig
     daemon: DaemonConfig
+    metrics: MetricsConfig
     policy: PolicyConfig
     pools: tuple[PoolConfig, ...]
 
@@ -177,6 +189,7 @@ _SECTIONS: dict[str, type] = {
     "embedded_redis": EmbeddedRedisConfig,
     "bus": BusConfig,
     "daemon": DaemonConfig,
+    "metrics": MetricsConfig,
     "policy": PolicyConfig,
 }
 

@@ -150,6 +150,7 @@ def run_demo(args) -> int:
         "KVTIER__NODE__RUNTIME_DIR": str(rdir),
         "KVTIER__NODE__ID": f"demo-{os.getpid()}",
         "KVTIER__DAEMON__PERSIST_ARENA": "false",
+        "KVTIER__METRICS__LISTEN": "127.0.0.1:0",  # a free port, whatever else runs on this machine
         "KVTIER__LOG__FORMAT": "json",
         "NOTIFY_SOCKET": str(rdir / "notify.sock"),
     })

@@ -1,4 +1,4 @@
-"""Named crash points for fault tests: the daemon SIGKILLs itself when it reaches one.
+"""Named crash points for fault tests: the daemon SIGKILLs itself (or stalls) when it reaches one.
 
 `[daemon] failpoint = "<name>[:<n>]"` (or KVTIER__DAEMON__FAILPOINT) arms one point: the n-th
 time (default 1) the daemon passes it, it dies as a power cut would, with no cleanup. Empty, the
@@ -10,6 +10,8 @@ hardest to recover from (fail-rs and gofail do the same for TiKV and etcd):
 - shm_torn:    a cpu arena slot is half written (odd generation, part of the bytes copied).
 - after_xadd:  a batch's outcomes are published (XADD), but its entries are not yet acked.
 - redis_write: a pipeline of Redis writes is in flight.
+- block_loop:  not a crash: the event loop is blocked for BLOCK_S seconds, as by a handler that
+  hogs it (reached on every stats write); the systemd watchdog pings must stop meanwhile.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
-NAMES = ("shm_written", "shm_torn", "after_xadd", "redis_write")
+NAMES = ("shm_written", "shm_torn", "after_xadd", "redis_write", "block_loop")
+BLOCK_S = 3.0
 SPEC = re.compile(rf"({'|'.join(NAMES)})(?::([1-9][0-9]{{0,6}}))?")
 
 
@@ -44,7 +48,10 @@ class Failpoints:
 
     def reached(self, name: str) -> None:
         if self.due(name):
-            self.die()
+            if name == "block_loop":
+                time.sleep(BLOCK_S)  # deliberately on the event loop
+            else:
+                self.die()
 
     @staticmethod
     def die() -> None:

@@ -17,8 +17,23 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
-def render_status(stats: dict) -> str:
+RATES = ("hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
+
+
+def _rates(pool: dict, prev_pool: dict | None, dt: float) -> str:
+    """Per-second rates of the tier counters since the previous snapshot."""
+    cells = []
+    for tier in ("gpu", "cpu", "redis"):
+        now, before = pool["tiers"][tier], (prev_pool or {}).get("tiers", {}).get(tier, {})
+        per_s = "/".join(f"{max(0, now.get(c, 0) - before.get(c, 0)) / dt:.0f}" for c in RATES)
+        cells.append(f"{tier} {per_s}")
+    return "  rates/s (" + "/".join(RATES) + "): " + "  ".join(cells)
+
+
+def render_status(stats: dict, prev: dict | None = None) -> str:
+    """The table; with `prev` (an earlier snapshot, as `status --watch` keeps) also rates per second."""
     lines = [f"node {stats.get('node')}  pid {stats.get('pid')}  up {stats.get('uptime_s', 0):.0f}s"]
+    dt = (stats.get("written_at", 0) - prev.get("written_at", 0)) if prev else 0.0
     for name, pool in sorted(stats.get("pools", {}).items()):
         lines.append(
             f"pool {name}: block {_mib(pool['block_bytes'])} MiB  puts {pool['puts']}  "
@@ -31,9 +46,17 @@ def render_status(stats: dict) -> str:
             cap = t.get("capacity_bytes")
             used = f"{_mib(t['bytes'])}/{'-' if cap is None else _mib(cap)}"
             lines.append(f"  {tier:<6} {cells} {used:>15}  {_latency(t)}")
+        if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
+            lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))
     bus = stats.get("bus", {})
     if bus:
         lines.append("bus: " + "  ".join(f"{k} {v}" for k, v in sorted(bus.items())))
+    streams = stats.get("streams", {})
+    if streams:
+        lines.append("streams: " + "  ".join(f"{n.split('}:', 1)[-1]} pending {i.get('pending', 0)} lag {i.get('lag')}"
+                                             for n, i in sorted(streams.items())))
+    if stats.get("metrics_url"):
+        lines.append(f"metrics: {stats['metrics_url']}")
     loop = stats.get("loop", {})
     if loop:
         lines.append(f"event loop lag: {loop.get('lag_ms', 0):.1f} ms now, {loop.get('lag_max_ms', 0):.1f} ms max")

@@ -22,6 +22,11 @@ else
     "${pip[@]}" install -q "torch==${torch_version}"
 fi
 
-echo "setup: installing kvtier and its test dependencies"
-"${pip[@]}" install -q -e '.[test]'
+if [ "${KVTIER_INSTALL:-dev}" = node ]; then  # scripts/install-node.sh: a plain install, no test extras
+    echo "setup: installing kvtier"
+    "${pip[@]}" install -q .
+else
+    echo "setup: installing kvtier and its test dependencies"
+    "${pip[@]}" install -q -e '.[test]'
+fi
 "$venv/bin/python" -c 'import torch, kvtier; print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()})")'

@@ -301,6 +301,7 @@ class Consumer:
         `counted`: entries were delivered before (history, claim), so look up their delivery
         counts; a fresh '>' read is delivery number 1.
         """
+        t0 = time.monotonic()
         acks: dict[str, list[bytes]] = {}
         dead: list[DeadLetter] = []
         effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
@@ -339,7 +340,9 @@ class Consumer:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.
             raise failed
-        self._log.debug("bus.batch", handled=handled, dead=dead_count)
+        # The canonical line for one unit of work: a batch, with what it did and how long it took.
+        self._log.info("bus.batch", streams=[b[0] for b in batches], handled=handled, dead=dead_count,
+                       reclaimed=counted, ms=round((time.monotonic() - t0) * 1000, 2))
 
     async def _handle_one(
         self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,

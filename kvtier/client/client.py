@@ -136,7 +136,10 @@ class Client:
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
         try:
-            return cls(rdir, desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+            client = cls(rdir, desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+            client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
+                            pools=sorted(desc.get("pools", {})), pid=os.getpid())
+            return client
         except BaseException:
             await r.aclose()
             raise

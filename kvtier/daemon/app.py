@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import redis.exceptions
 import structlog
 
 from kvtier.bus.connect import make_redis
@@ -26,6 +27,7 @@ from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.descriptor import DESCRIPTOR, FORMAT_VERSION, STATS, write_json_atomic
 from kvtier.daemon.embedded_redis import EmbeddedRedis
 from kvtier.daemon.looplag import LoopLag
+from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.staging import StagingSegments
@@ -103,6 +105,8 @@ class Daemon:
         self.epoch = time.time_ns()
         self.failpoints = Failpoints(cfg.daemon.failpoint)
         self.loop_lag = LoopLag()
+        self.stream_info: dict[str, dict] = {}
+        self.metrics: MetricsServer | None = None
         if cfg.daemon.failpoint:
             self.log.warning("daemon.failpoint_armed", failpoint=cfg.daemon.failpoint)
         self.started = time.monotonic()
@@ -150,9 +154,14 @@ class Daemon:
                                     pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
                 self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
                                                      worker.flush))
+            if cfg.metrics.listen:
+                self.metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
+                self.log.info("daemon.metrics", url=self.metrics.url)
             self._write_descriptor(url, bus_url, gid)
-            await self._serve(stop, embedded, staging)
+            await self._serve(stop, embedded, staging, bus)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             (self.runtime_dir / DESCRIPTOR).unlink(missing_ok=True)
             for rt in self.pools.values():
                 close_pool(rt, cfg.daemon.persist_arena)
@@ -172,7 +181,8 @@ class Daemon:
             log=self.log.bind(worker=role), after_batch=after_batch, failpoints=self.failpoints,
         )
 
-    async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments) -> None:
+    async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments,
+                     bus) -> None:
         grace = self.cfg.daemon.shutdown_grace_s
         async with asyncio.TaskGroup() as tg:
             work = [tg.create_task(c.run(), name=f"consumer-{i}") for i, c in enumerate(self.consumers)]
@@ -180,6 +190,7 @@ class Daemon:
                 tg.create_task(self._every(self.cfg.daemon.stats_interval_s, self._write_stats)),
                 tg.create_task(self._every(REAP_INTERVAL_S, staging.reap)),
                 tg.create_task(self.loop_lag.run()),
+                tg.create_task(self._sample_streams(bus)),
             ]
             if self.notifier.watchdog_s:
                 interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
@@ -225,8 +236,27 @@ class Daemon:
         }
         write_json_atomic(self.runtime_dir / DESCRIPTOR, desc)
 
-    def _write_stats(self) -> None:
-        write_json_atomic(self.runtime_dir / STATS, {
+    async def _sample_streams(self, bus) -> None:
+        """Every `metrics.stream_sample_s`: each stream's pending entries and lag for our group."""
+        names = [self.names.client, self.names.facts, *(self.names.tier(t) for t in Tier)]
+        while True:
+            try:
+                async with bus.pipeline(transaction=False) as pipe:
+                    for n in names:
+                        pipe.xinfo_groups(n)
+                    replies = await pipe.execute(raise_on_error=False)
+                for n, groups in zip(names, replies):
+                    g = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None) \
+                        if isinstance(groups, list) else None
+                    if g is not None:
+                        self.stream_info[n] = {"pending": g.get("pending", 0), "lag": g.get("lag")}
+            except redis.exceptions.RedisError as e:
+                self.log.debug("daemon.stream_sample_failed", error=str(e))
+            await asyncio.sleep(self.cfg.metrics.stream_sample_s)
+
+    def snapshot(self) -> dict:
+        """What stats.json and the metrics endpoint show."""
+        return {
             "node": self.cfg.node.id,
             "pid": os.getpid(),
             "epoch": self.epoch,
@@ -235,4 +265,10 @@ class Daemon:
             "bus": self.bus_stats.as_dict(),
             "loop": self.loop_lag.as_dict(),
             "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
-        })
+            "streams": dict(self.stream_info),
+            "metrics_url": self.metrics.url if self.metrics is not None else None,
+        }
+
+    def _write_stats(self) -> None:
+        self.failpoints.reached("block_loop")
+        write_json_atomic(self.runtime_dir / STATS, self.snapshot())

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
+
+# Upper bounds of the transfer-latency histogram buckets, in seconds.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(slots=True)
@@ -20,11 +24,14 @@ class TierCounters:
     transfers: int = 0  # completed stores, promotions and demotions into this tier
     transfer_s: float = 0.0  # their total time, from command receipt to visible
     transfer_max_s: float = 0.0
+    # Transfer times per bucket of LATENCY_BUCKETS_S (the last: slower than all of them).
+    transfer_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
     def timed(self, seconds: float) -> None:
         self.transfers += 1
         self.transfer_s += seconds
         self.transfer_max_s = max(self.transfer_max_s, seconds)
+        self.transfer_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
 
 
 @dataclass(slots=True)

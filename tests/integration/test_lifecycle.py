@@ -166,3 +166,29 @@ def test_a_squatter_segment_under_our_name_is_refused_never_attached(tmp_path, r
         d.kill()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_watchdog_pings_stop_while_the_event_loop_is_blocked(tmp_path, redis_url):
+    """The pings come from the event loop itself: a loop blocked for 3 s (failpoint block_loop)
+    sends none meanwhile, so systemd's watchdog would fire; afterwards they resume."""
+    import time
+
+    from kvtier.failpoints import BLOCK_S
+    from tests.support.daemon_proc import DaemonProcess, write_config
+
+    cfg = write_config(tmp_path, node=f"stall-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
+    d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}",
+                      env={"WATCHDOG_USEC": "200000", "KVTIER__DAEMON__FAILPOINT": "block_loop:15"}).start()
+    try:
+        pings: list[float] = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (len(pings) < 2 or pings[-1] - pings[0] < BLOCK_S + 2):
+            if "WATCHDOG=1" in d.take_messages():
+                pings.append(time.monotonic())
+            time.sleep(0.02)
+        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        assert gaps and max(gaps) >= BLOCK_S * 0.8, f"pings kept coming while the loop was blocked: {gaps}"
+        assert sorted(gaps)[len(gaps) // 2] < 0.5, f"pings were not regular otherwise: {gaps}"
+        assert gaps.index(max(gaps)) < len(gaps) - 1, "and they resumed afterwards"
+    finally:
+        assert d.stop() == 0

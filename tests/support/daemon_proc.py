@@ -58,6 +58,10 @@ stats_interval_s = 0.1
 persist_arena = {str(persist_arena).lower()}
 off_loop_copy_bytes = 0  # every copy off the event loop: the thread path is the one tested
 {extra}
+
+[metrics]
+listen = "127.0.0.1:0"  # a free port: test daemons run side by side
+stream_sample_s = 0.2
 """ + POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu))
     return path
 

@@ -1,0 +1,133 @@
+"""The Prometheus endpoint: the daemon's own counters, read at scrape time.
+
+A custom collector on a private `CollectorRegistry` (no global registry, no module state): every
+scrape reads the per-pool and per-tier counters, the bus counters, the stream lag and pending
+counts the daemon last sampled, and the event-loop lag. prometheus-client serves it from its own
+thread; reading plain ints and floats across threads is safe under the GIL, and a scrape that
+lands mid-update is at most one event behind.
+
+Metric names (documented in docs/operations.md; the Grafana dashboard uses them):
+  kvtier_tier_blocks, kvtier_tier_capacity_blocks, kvtier_tier_bytes, kvtier_tier_capacity_bytes
+  kvtier_tier_hits_total, kvtier_tier_stored_total, kvtier_tier_promotions_total,
+  kvtier_tier_demotions_total, kvtier_tier_copies_total, kvtier_tier_evictions_total,
+  kvtier_tier_bytes_in_total, kvtier_tier_failed_transfers_total, kvtier_tier_refused_evictions_total,
+  kvtier_tier_stale_commands_total, kvtier_tier_transfer_seconds (histogram)
+  kvtier_pool_hits_total, kvtier_pool_misses_total, kvtier_pool_puts_total,
+  kvtier_pool_puts_dropped_total, kvtier_redis_errors_total, kvtier_redis_corrupt_total
+  kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
+  redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
+  kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtier.tiers.stats import LATENCY_BUCKETS_S
+
+_TIER_COUNTERS = {  # TierCounters field -> (metric name, help)
+    "hits": ("kvtier_tier_hits", "Blocks clients read from this tier"),
+    "stored": ("kvtier_tier_stored", "New blocks from clients stored in this tier"),
+    "promoted_in": ("kvtier_tier_promotions", "Blocks promoted into this tier"),
+    "demoted_in": ("kvtier_tier_demotions", "Blocks written back (demoted) into this tier"),
+    "copied_in": ("kvtier_tier_copies", "Blocks written through into this tier"),
+    "evicted": ("kvtier_tier_evictions", "Blocks dropped from this tier"),
+    "bytes_in": ("kvtier_tier_bytes_in", "Payload bytes written into this tier"),
+    "failed": ("kvtier_tier_failed_transfers", "Transfers into this tier that failed (counted as misses)"),
+    "refused": ("kvtier_tier_refused_evictions", "Evictions refused because no lower tier held the block"),
+    "stale": ("kvtier_tier_stale_commands", "Commands skipped as redelivered or overtaken"),
+}
+_POOL_COUNTERS = {
+    "hits": ("kvtier_pool_hits", "Blocks clients read from shared memory"),
+    "misses": ("kvtier_pool_misses", "Blocks clients asked for past their cached prefix"),
+    "puts": ("kvtier_pool_puts", "Blocks clients handed over"),
+    "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
+    "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),
+    "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
+}
+BUS_COUNTERS = ("published", "delivered", "acked", "dead_lettered", "handler_errors", "redis_errors", "reclaimed",
+                "deleted_entries")
+
+
+class DaemonCollector(Collector):
+    """Reads a stats snapshot (the same dict stats.json holds) at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        s = self._snapshot()
+        yield GaugeMetricFamily("kvtier_up", "1 while the daemon serves", value=1)
+        gauges = {
+            name: GaugeMetricFamily(name, doc, labels=["pool", "tier"])
+            for name, doc in (("kvtier_tier_blocks", "Blocks resident in the tier (Redis: written by this node)"),
+                              ("kvtier_tier_capacity_blocks", "Slots of the tier"),
+                              ("kvtier_tier_bytes", "Bytes resident in the tier"),
+                              ("kvtier_tier_capacity_bytes", "Bytes the tier can hold"))
+        }
+        tier_c = {f: CounterMetricFamily(n, d, labels=["pool", "tier"]) for f, (n, d) in _TIER_COUNTERS.items()}
+        hist = HistogramMetricFamily("kvtier_tier_transfer_seconds",
+                                     "Time from command receipt until a block is visible in the tier",
+                                     labels=["pool", "tier"])
+        pool_c = {f: CounterMetricFamily(n, d, labels=["pool"]) for f, (n, d) in _POOL_COUNTERS.items()}
+        for pool, p in sorted(s.get("pools", {}).items()):
+            for f, m in pool_c.items():
+                m.add_metric([pool], p.get(f, 0))
+            for tier, t in p["tiers"].items():
+                labels = [pool, tier]
+                gauges["kvtier_tier_blocks"].add_metric(labels, t["blocks"])
+                gauges["kvtier_tier_bytes"].add_metric(labels, t["bytes"])
+                if t.get("capacity") is not None:
+                    gauges["kvtier_tier_capacity_blocks"].add_metric(labels, t["capacity"])
+                    gauges["kvtier_tier_capacity_bytes"].add_metric(labels, t["capacity_bytes"])
+                for f, m in tier_c.items():
+                    m.add_metric(labels, t.get(f, 0))
+                counts, running = t.get("transfer_buckets", []), 0
+                buckets = []
+                for le, n in zip([*map(str, LATENCY_BUCKETS_S), "+Inf"], counts):
+                    running += n
+                    buckets.append((le, running))
+                hist.add_metric(labels, buckets, t.get("transfer_s", 0.0))
+        yield from gauges.values()
+        yield from tier_c.values()
+        yield hist
+        yield from pool_c.values()
+        bus = s.get("bus", {})
+        for f in BUS_COUNTERS:
+            yield CounterMetricFamily(f"kvtier_bus_{f}", f"Stream entries: {f.replace('_', ' ')}", value=bus.get(f, 0))
+        pending = GaugeMetricFamily("kvtier_stream_pending", "Entries delivered to a consumer and not yet acked",
+                                    labels=["stream"])
+        lag = GaugeMetricFamily("kvtier_stream_lag", "Entries in the stream not yet delivered to its group",
+                                labels=["stream"])
+        for stream, info in sorted(s.get("streams", {}).items()):
+            pending.add_metric([stream], info.get("pending", 0))
+            if info.get("lag") is not None:
+                lag.add_metric([stream], info["lag"])
+        yield pending
+        yield lag
+        loop = s.get("loop", {})
+        yield GaugeMetricFamily("kvtier_event_loop_lag_seconds", "How late a 100 ms sleep woke up, last sample",
+                                value=loop.get("lag_ms", 0.0) / 1000)
+        yield GaugeMetricFamily("kvtier_event_loop_lag_max_seconds", "Worst event-loop lag since start",
+                                value=loop.get("lag_max_ms", 0.0) / 1000)
+
+
+class MetricsServer:
+    """prometheus-client's HTTP server on `listen` ("host:port"), serving one DaemonCollector."""
+
+    def __init__(self, listen: str, snapshot: Callable[[], dict[str, Any]]) -> None:
+        host, _, port = listen.rpartition(":")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(snapshot))
+        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        self.url = f"http://{listen.rpartition(':')[0]}:{self._server.server_port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
