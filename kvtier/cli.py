@@ -1,4 +1,4 @@
-"""`kvtier daemon | config check | status | demo`."""
+"""`kvtier daemon | config check | status | bench | demo`."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench import run_bench
+
+    return run_bench(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
 
@@ -120,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes")
     s.set_defaults(fn=cmd_status)
+
+    b = sub.add_parser("bench", help="measure every hot path against its bound, measured in the same run")
+    b.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
+    b.add_argument("--quick", action="store_true", help="tiny sizes; checks each path returns the right bytes")
+    b.add_argument("--json", help="also write the results as JSON to this file")
+    b.set_defaults(fn=cmd_bench)
 
     m = sub.add_parser("demo", help="start a daemon on the embedded Redis and drive a shared-prefix workload")
     m.add_argument("--config", "-c", help="daemon config (default: the built-in demo pool)")

@@ -8,7 +8,6 @@ from kvtier.config import PolicyConfig, PoolConfig
 from kvtier.tiers.stats import PoolCounters
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
-from kvtier.tiers import gpu as gpu_mem
 from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
 from kvtier.tiers.index import TierIndex
 from kvtier.tiers.local import LocalTier
@@ -79,9 +78,15 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     gpu_tier = None
     gpu_ipc = None
     if cfg.gpu_blocks > 0:
-        device = gpu_mem.resolve_device(cfg.device)
+        # torch (some 200 MB resident) is imported only when the gpu tier may be a real GPU.
+        device_type = "cpu" if cfg.device == "cpu" else None
+        if device_type is None:
+            from kvtier.tiers import gpu as gpu_mem
+
+            device = gpu_mem.resolve_device(cfg.device)
+            device_type = device.type
         name = segment_name(node, cfg.name, "gpu")
-        if device.type == "cpu":
+        if device_type == "cpu":
             seg = _fresh(name, segment_bytes(cfg.gpu_blocks, bb), gid)
             created.append(seg)
             table = SlotTable.format(seg, Kind.ARENA, cfg.gpu_blocks, bb, layout.fingerprint)
@@ -93,7 +98,8 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
             payload = gpu_mem.allocate_device_pool(cfg.gpu_blocks, bb, device)
             gpu_tier = LocalTier(Tier.GPU, table, indices[Tier.GPU], directory, device_payload=payload)
             gpu_ipc = gpu_mem.export_ipc(payload)
-        log.info("pool.gpu_ready", device=str(device), blocks=cfg.gpu_blocks, block_bytes=bb)
+        log.info("pool.gpu_ready", device=str(device) if device_type != "cpu" else "cpu", blocks=cfg.gpu_blocks,
+                 block_bytes=bb)
 
     table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
     cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)

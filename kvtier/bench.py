@@ -1,0 +1,400 @@
+"""`kvtier bench`: every hot path measured against a bound for the same path, in the same run.
+
+Each row is a ratio to its bound, both measured here and now, so the figures hold on a noisy
+shared machine. The daemon rows run a real `kvtier daemon` on a private redis-server (unix
+socket, no persistence) with a Llama-3-8B block layout (2 MiB blocks); the working set is
+`--gib` GiB (1 by default). `--quick` shrinks everything and only checks that each path returns
+the right bytes (CI runs it).
+
+| row | figure | bound | target |
+|---|---|---|---|
+| get | GB/s, cpu arena -> caller tensor (client.get) | numpy memcpy over the same bytes | >= 0.7x |
+| put | GB/s, client.put until visible in the cpu tier | numpy memcpy | >= 0.4x |
+| redis | GB/s, the redis tier's pipelined write + verified read of the same blocks | raw pipelined SET/GET | >= 0.7x |
+| bus | events/s published until the daemon applied them | raw pipelined XADD + XREADGROUP/XACK | >= 0.5x |
+| lookup | ms, 32,768-token prompt: hashing + lookup | a bare SHA-256 chain over the same tokens | <= 2x |
+| directory | lookup time with 1M blocks indexed / with 1k | | <= 1.5x |
+| idle | daemon CPU % and RSS beyond the arenas, at rest | | < 2 %, < 200 MB |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.processes import die_with_parent
+
+LLAMA = dict(model="llama3-8b", layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
+TINY = dict(model="bench-tiny", layers=2, kv_heads=2, head_dim=32, block_tokens=16, dtype="float16")
+GB = 1e9
+
+
+def _say(msg: str) -> None:
+    print(f"kvtier bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _best(fn, repeat: int) -> float:
+    """Best of `repeat` timings of fn(), in seconds: the least disturbed by the neighbours."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return nbytes / _best(lambda: np.copyto(dst, src), repeat) / GB
+
+
+# --- the environment: a private redis-server and a daemon ---------------------------------------
+
+class Env:
+    def __init__(self, layout: dict, cpu_blocks: int, workdir: Path) -> None:
+        self.dir = workdir
+        self.sock = workdir / "redis.sock"
+        self.redis = subprocess.Popen(
+            ["redis-server", "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self._wait(lambda: self.sock.exists(), "redis-server")
+        self.url = f"unix://{self.sock}"
+        self.node = f"bench-{uuid.uuid4().hex[:8]}"
+        self.rdir = workdir / "rt"
+        cfg = workdir / "bench.toml"
+        cfg.write_text(f"""
+[node]
+id = "{self.node}"
+runtime_dir = "{self.rdir}"
+[log]
+format = "json"
+level = "warning"
+[redis]
+url = "{self.url}"
+[daemon]
+persist_arena = false
+[metrics]
+listen = ""
+[pools.b]
+model = "{layout['model']}"
+layers = {layout['layers']}
+kv_heads = {layout['kv_heads']}
+head_dim = {layout['head_dim']}
+block_tokens = {layout['block_tokens']}
+dtype = "{layout['dtype']}"
+device = "cpu"
+gpu_blocks = 0
+cpu_blocks = {cpu_blocks}
+""")
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(workdir / "n.sock"))
+        self.notify.settimeout(60)
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "daemon", "--config", str(cfg)],
+            env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n.sock")},
+            stdout=open(workdir / "daemon.log", "w"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        while b"READY=1" not in self.notify.recv(4096):
+            pass
+
+    @staticmethod
+    def _wait(cond, what: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not come up")
+            time.sleep(0.02)
+
+    def stats(self) -> dict:
+        try:
+            return json.loads((self.rdir / "stats.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def close(self) -> None:
+        for p in (self.daemon, self.redis):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.notify.close()
+
+
+# --- the rows ----------------------------------------------------------------------------------
+
+async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
+    import torch
+
+    from kvtier.client import Client
+
+    async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
+        p = client.pool("b")
+        bb = p.block_bytes
+        rng = np.random.default_rng(1)
+        data = rng.integers(0, 255, (n, bb), dtype=np.uint8)
+        kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
+        keys = client.block_keys("b", list(range(n * p.layout.block_tokens)), salt=b"bench")
+        # put: sustained, in chains of 64 blocks, until every block is visible in the cpu tier
+        t0 = time.perf_counter()
+        for i in range(0, n, 64):
+            res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
+            while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
+                await asyncio.sleep(0.001)
+                j = i + res.staged
+                res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
+        if not await client.wait_resident("b", keys, timeout=120):
+            raise RuntimeError("put: blocks did not become visible")
+        put_s = time.perf_counter() - t0
+        out["put"] = {"gbps": n * bb / put_s / GB}
+        # get: all blocks into one caller tensor
+        dst = torch.empty_like(kv)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            got_n = await client.get("b", keys, dst)
+            best = min(best, time.perf_counter() - t0)
+        # Every block read must be exactly the block put (a shorter prefix would be a miss, and
+        # the tier is sized so that none is shed: got == n is checked too).
+        ok = bool(np.array_equal(dst.view(torch.uint8).reshape(n, bb).numpy()[:got_n], data[:got_n]))
+        out["get"] = {"gbps": got_n * bb / best / GB, "correct": ok, "blocks_read": got_n, "all_resident": got_n == n}
+        out["put"]["correct"] = ok
+        # lookup: a 32,768-token prompt (2,048 blocks of 16), hashing included
+        tokens = rng.integers(0, 128_000, 32_768).tolist()
+        t_lookup = _best(lambda: client.lookup("b", client.block_keys("b", tokens)), repeat * 3)
+        raw = np.asarray(tokens, dtype="<u4").tobytes()
+
+        def bare() -> None:
+            prev = b"\0" * 32
+            for i in range(0, len(raw), 64):
+                prev = hashlib.sha256(prev + raw[i:i + 64]).digest()
+
+        out["lookup"] = {"ms": t_lookup * 1000, "bound_ms": _best(bare, repeat * 3) * 1000}
+        # bus: access events published until the daemon has applied (counted) them
+        from kvtier.bus.events import Access
+        from kvtier.bus.transport import Publisher
+
+        events = 5000 if n > 64 else 200
+        r = client._redis
+        pub = Publisher(r, "bench/client", time.time_ns(), 1_000_000)
+        stream = f"kvtier:{{{env.node}}}:client"
+
+        async def applied() -> bool:  # the coordinator acks an entry only after its effects
+            g = next(g for g in await r.xinfo_groups(stream) if g["name"] in (b"kvtier", "kvtier"))
+            return g["lag"] == 0 and g["pending"] == 0
+
+        t0 = time.perf_counter()
+        for i in range(0, events, 100):
+            await pub.publish_many([(stream, Access("b", (keys[0],), 0))] * 100)
+        while not await applied():
+            await asyncio.sleep(0.001)
+        out["bus"] = {"events_per_s": events / (time.perf_counter() - t0)}
+        t0 = time.perf_counter()
+        raw_stream = f"bench-raw-{uuid.uuid4().hex[:6]}"
+        await r.xgroup_create(raw_stream, "g", id="0", mkstream=True)
+        payload = {"e": b"x" * 120}
+        for i in range(0, events, 100):
+            async with r.pipeline(transaction=False) as pipe:
+                for _ in range(100):
+                    pipe.xadd(raw_stream, payload)
+                await pipe.execute()
+        seen = 0
+        while seen < events:
+            reply = await r.xreadgroup("g", "c", {raw_stream: ">"}, count=256)
+            for _s, entries in reply:
+                await r.xack(raw_stream, "g", *[e[0] for e in entries])
+                seen += len(entries)
+        out["bus"]["bound_per_s"] = events / (time.perf_counter() - t0)
+        await r.delete(raw_stream)
+
+
+async def redis_row(url: str, layout: dict, n: int, repeat: int, out: dict) -> None:
+    """The redis tier's own write and verified read (what demote and promote run), against
+    redis-py pipelines of the same bytes."""
+    import structlog
+
+    from kvtier.bus.connect import make_redis
+    from kvtier.layout import BlockLayout
+    from kvtier.tiers.redis_blocks import RedisBlocks
+    from kvtier.tiers.slots import checksum
+
+    lay = BlockLayout(**layout)
+    bb = lay.block_bytes
+    r = make_redis(url, socket_timeout=30, connect_timeout=5, retries=1)
+    try:
+        blocks = RedisBlocks(r, "bench", lay.fingerprint, bb, 0, structlog.get_logger())
+        data = np.random.default_rng(2).integers(0, 255, (n, bb), dtype=np.uint8)
+        keys = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(n)]
+        chunk = max(1, (64 << 20) // bb)  # the workers' default pipeline_bytes
+        ok = True
+
+        async def tier_round() -> None:
+            nonlocal ok
+            for i in range(0, n, chunk):
+                vals = []
+                for k, row in zip(keys[i:i + chunk], data[i:i + chunk]):
+                    value, view = blocks.new_value()
+                    view[:] = row
+                    vals.append((k, blocks.seal(value, k, checksum(row))))
+                assert not any(await blocks.put_many(vals))
+            for i in range(0, n, chunk):
+                got = await blocks.get_many(keys[i:i + chunk])
+                ok = ok and all(g is not None and np.array_equal(g[0], row) for g, row in zip(got, data[i:i + chunk]))
+
+        async def raw_round() -> None:
+            for i in range(0, n, chunk):
+                async with r.pipeline(transaction=False) as pipe:
+                    for k, row in zip(keys[i:i + chunk], data[i:i + chunk]):
+                        pipe.set(b"raw:" + k, row.tobytes())
+                    await pipe.execute()
+            for i in range(0, n, chunk):
+                async with r.pipeline(transaction=False) as pipe:
+                    for k in keys[i:i + chunk]:
+                        pipe.get(b"raw:" + k)
+                    await pipe.execute()
+
+        async def best(fn) -> float:
+            b = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                await fn()
+                b = min(b, time.perf_counter() - t0)
+            return b
+
+        t_tier, t_raw = await best(tier_round), await best(raw_round)
+        out["redis"] = {"gbps": 2 * n * bb / t_tier / GB, "bound_gbps": 2 * n * bb / t_raw / GB, "correct": ok}
+        await r.flushall()
+    finally:
+        await r.aclose()
+
+
+def directory_row(repeat: int, out: dict) -> None:
+    """Lookup of 500 resident keys with 1M blocks indexed, against 1k (the shm directory clients probe)."""
+    from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
+    from kvtier.tiers.segment import ShmSegment
+
+    probe = [hashlib.sha256(b"p" + i.to_bytes(4, "little")).digest() for i in range(500)]
+    times = {}
+    for n in (1_000, 1_000_000):
+        cap = directory_capacity(n)
+        seg = ShmSegment.create(f"kvtier.bench-{uuid.uuid4().hex[:8]}.dir", directory_bytes(cap))
+        try:
+            d = DirectoryWriter.create(seg, cap, b"\0" * 32)
+            for i in range(n - len(probe)):
+                d.set_slot(hashlib.sha256(i.to_bytes(4, "little")).digest(), 1, i % 1024)
+            for i, k in enumerate(probe):
+                d.set_slot(k, 1, i)
+            times[n] = _best(lambda: [d.find(k) for k in probe], repeat * 3)
+        finally:
+            seg.unlink()
+    out["directory"] = {"ratio": times[1_000_000] / times[1_000], "us_per_probe_1m": times[1_000_000] / len(probe) * 1e6}
+
+
+def idle_row(env: Env, seconds: float, out: dict) -> None:
+    pid = env.daemon.pid
+
+    def cpu() -> float:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(seconds)
+    pct = 100 * (cpu() - c0) / (time.monotonic() - t0)
+    status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
+    kb = lambda k: int(status.get(k, "0 kB").split()[0])  # noqa: E731
+    out["idle"] = {"cpu_pct": pct, "rss_beyond_arenas_mb": (kb("RssAnon") + kb("RssFile")) / 1024}
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+def table(out: dict) -> list[dict]:
+    rows = []
+
+    def row(name, figure, bound, ratio, target, ok):
+        rows.append({"path": name, "figure": figure, "bound": bound, "ratio": ratio, "target": target, "meets": ok})
+
+    m = out["memcpy_gbps"]
+    if "get" in out:
+        g = out["get"]["gbps"]
+        row("get: cpu arena -> caller tensor", f"{g:.2f} GB/s", f"memcpy {m:.2f} GB/s", g / m, ">= 0.7x", g / m >= 0.7)
+        p = out["put"]["gbps"]
+        row("put: client -> visible in cpu", f"{p:.2f} GB/s", f"memcpy {m:.2f} GB/s", p / m, ">= 0.4x", p / m >= 0.4)
+    if "redis" in out:
+        x, b = out["redis"]["gbps"], out["redis"]["bound_gbps"]
+        row("redis tier: write + verified read", f"{x:.2f} GB/s", f"raw SET/GET {b:.2f} GB/s", x / b, ">= 0.7x", x / b >= 0.7)
+    if "bus" in out:
+        x, b = out["bus"]["events_per_s"], out["bus"]["bound_per_s"]
+        row("bus: published -> applied", f"{x:,.0f} ev/s", f"raw XADD+XREADGROUP {b:,.0f} ev/s", x / b, ">= 0.5x", x / b >= 0.5)
+    if "lookup" in out:
+        x, b = out["lookup"]["ms"], out["lookup"]["bound_ms"]
+        row("lookup: 32,768 tokens, hashing included", f"{x:.2f} ms", f"bare SHA-256 chain {b:.2f} ms", x / b, "<= 2x", x / b <= 2)
+    if "directory" in out:
+        x = out["directory"]["ratio"]
+        row("lookup: 1M blocks indexed vs 1k", f"{x:.2f}x", "", x, "<= 1.5x", x <= 1.5)
+    if "idle" in out:
+        c, r = out["idle"]["cpu_pct"], out["idle"]["rss_beyond_arenas_mb"]
+        row("daemon at idle", f"{c:.2f} % CPU, {r:.0f} MB", "", None, "< 2 %, < 200 MB", c < 2 and r < 200)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| path | figure | bound (same run) | ratio | target | meets |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['path']} | {r['figure']} | {r['bound']} | {ratio} | {r['target']} | "
+                     f"{'yes' if r['meets'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def run_bench(args) -> int:
+    quick = args.quick
+    layout = TINY if quick else LLAMA
+    from kvtier.layout import BlockLayout
+
+    bb = BlockLayout(**layout).block_bytes
+    n = 64 if quick else max(64, int(args.gib * (1 << 30)) // bb)
+    repeat = 1 if quick else 3
+    if shutil.which("redis-server") is None:
+        print("kvtier bench: redis-server is not on PATH", file=sys.stderr)
+        return 1
+    out: dict = {"quick": quick, "blocks": n, "block_bytes": bb, "working_set_bytes": n * bb}
+    _say(f"memcpy bound over {n * bb / (1 << 20):.0f} MiB")
+    out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        env = Env(layout, int(n / 0.85) + 16, Path(tmp))  # below the high watermark: nothing is shed
+        try:
+            _say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
+            asyncio.run(daemon_rows(env, n, repeat, out))
+            _say("redis tier against raw redis-py pipelines")
+            asyncio.run(redis_row(env.url, layout, n, repeat, out))
+            if not quick:
+                _say("daemon at idle (5 s)")
+                idle_row(env, 5.0, out)
+        finally:
+            env.close()
+    _say("directory with 1M blocks vs 1k" if not quick else "directory (1k vs 1M skipped in --quick)")
+    if not quick:
+        directory_row(repeat, out)
+    out["rows"] = table(out)
+    print(render(out["rows"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    correct = all(out[k].get("correct", True) for k in ("get", "put", "redis") if k in out)
+    if not correct:
+        print("kvtier bench: WRONG BYTES on a measured path (a bug: please report it)", file=sys.stderr)
+    return 0 if correct else 1
