@@ -37,12 +37,18 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         stop = asyncio.Event()
-        with stop_on_signals(stop, log):
+        with stop_on_signals(stop, log, force_after_s=cfg.daemon.shutdown_grace_s + 5):
             await Daemon(cfg, os.environ, log).run(stop)
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
+            # Stopped cleanly: segments, descriptor, Redis clients and the embedded server are
+            # all released by now. Leave at once rather than through the loop and interpreter
+            # teardown, where a wedged executor thread could keep a stopped daemon alive.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except asyncio.CancelledError:
         log.warning("daemon.forced_exit")
         return 1

@@ -7,6 +7,7 @@ Reads never leave the node: lookup and get go straight to shared memory. Events 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import time
@@ -74,6 +75,20 @@ def _read_descriptor(rdir: Path) -> tuple[dict, int]:
     return desc, fst.st_uid
 
 
+def library_logger():
+    """The client library's logger. If the application configured structlog, log through it;
+    otherwise through stdlib logging, which prints only warnings and errors (to stderr) unless
+    the application sets logging up: a library must not write to an inference worker's stdout."""
+    if structlog.is_configured():
+        return structlog.get_logger("kvtier.client")
+    return structlog.wrap_logger(
+        logging.getLogger("kvtier.client"),
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.KeyValueRenderer(key_order=["event", "level", "timestamp"])],
+        wrapper_class=structlog.stdlib.BoundLogger,
+    )
+
+
 class Client:
     def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log) -> None:
         self._rdir = rdir
@@ -136,7 +151,7 @@ class Client:
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
         try:
-            client = cls(rdir, desc, daemon_uid, r, staging_blocks, structlog.get_logger("kvtier.client"))
+            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger())
             client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
                             pools=sorted(desc.get("pools", {})), pid=os.getpid())
             return client

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 
 import numpy as np
 import torch
@@ -23,6 +24,10 @@ TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
 }
+
+
+# A staged block the daemon has not taken within this long is given up (see _free_slot).
+STAGING_RECLAIM_S = 10.0
 
 
 class ClientPool:
@@ -58,6 +63,7 @@ class ClientPool:
                                                Kind.ARENA, fp, bb)
         self.staging: SlotTable | None = None
         self._cursor = 0
+        self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
         self._host = np.empty(bb, dtype=np.uint8)  # bounce buffer for CUDA destinations
 
     # --- lookup and read ---------------------------------------------------------------------
@@ -141,6 +147,7 @@ class ClientPool:
             if slot is None:
                 break
             gen = table.write(slot, key, flat[i], Flags.READY, parent=parent)
+            self._staged_at[slot] = time.monotonic()
             staged.append(StagedBlock(key, parent, slot, gen))
             parent = key
         return staged
@@ -157,6 +164,18 @@ class ClientPool:
             if table.flags(slot) == Flags.FREE and table.gen(slot) % 2 == 0:
                 self._cursor = slot + 1
                 return slot
+        # None free. A slot the daemon has not released for STAGING_RECLAIM_S belongs to a put it
+        # will never store (dead-lettered, or lost with a Redis restart): take it back, or the
+        # client would stay full for ever. Safe even if the put turns up later: rewriting the
+        # slot changes its generation, so the daemon's read of the old put fails verification.
+        now = time.monotonic()
+        for slot, at in sorted(self._staged_at.items(), key=lambda kv: kv[1]):
+            if now - at < STAGING_RECLAIM_S:
+                break
+            if table.flags(slot) == Flags.READY and table.gen(slot) % 2 == 0:
+                del self._staged_at[slot]
+                return slot
+            del self._staged_at[slot]
         return None
 
     def check_tensor(self, t: object, n: int, what: str) -> torch.Tensor:
