@@ -32,7 +32,7 @@ def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
         old = ShmSegment.attach(name, trusted_uid=os.geteuid())  # raises for a squatter
         old.close()
         ShmSegment.unlink_name(name)
-    return ShmSegment.create(name, size, mode=_shm_mode(gid), gid=gid)
+    return ShmSegment.create(name, size, mode=_shm_mode(gid), gid=gid, reserve=True)
 
 
 def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log) -> tuple[SlotTable, bool]:
@@ -48,7 +48,7 @@ def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log
             log.warning("arena.discarded", segment=name, reason=str(e))
         seg.close()
         ShmSegment.unlink_name(name)
-    seg = ShmSegment.create(name, segment_bytes(n, layout.block_bytes), mode=_shm_mode(gid), gid=gid)
+    seg = ShmSegment.create(name, segment_bytes(n, layout.block_bytes), mode=_shm_mode(gid), gid=gid, reserve=True)
     return SlotTable.format(seg, Kind.ARENA, n, layout.block_bytes, layout.fingerprint), False
 
 

@@ -37,8 +37,13 @@ class ShmSegment:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, size: int, *, mode: int = 0o600, gid: int | None = None) -> "ShmSegment":
-        """Create a new segment; fails if the name exists (never attaches a squatter's segment)."""
+    def create(cls, name: str, size: int, *, mode: int = 0o600, gid: int | None = None,
+               reserve: bool = False) -> "ShmSegment":
+        """Create a new segment; fails if the name exists (never attaches a squatter's segment).
+
+        `reserve`: allocate every page now (posix_fallocate, then a populated mapping). A
+        /dev/shm too small for the arena is then a clear error at start, not a SIGBUS on some
+        later write; and the first write into each slot does not pay for page allocation."""
         if size <= 0:
             raise SegmentError(f"segment size must be positive, got {size}")
         path = _path(name)
@@ -53,7 +58,15 @@ class ShmSegment:
             if gid is not None:
                 os.fchown(fd, -1, gid)
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED
+            if reserve:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise SegmentError(f"cannot reserve {size} bytes for shared-memory segment {name}: {e} "
+                                       f"(is /dev/shm large enough?)") from e
+                flags |= getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)

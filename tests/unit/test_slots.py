@@ -345,3 +345,13 @@ def test_directory_matches_a_dict_model(ops) -> None:
     finally:
         seg.close()
         seg.unlink()
+
+
+def test_reserve_allocates_every_page_up_front(new_seg) -> None:
+    """An arena is reserved at creation, so a full /dev/shm fails the start, not a later write."""
+    lazy = new_seg(8 << 20)
+    eager = new_seg(8 << 20, reserve=True)
+    assert os.stat(SHM / lazy.name).st_blocks * 512 < (1 << 20), "a plain segment allocates nothing yet"
+    assert os.stat(SHM / eager.name).st_blocks * 512 >= 8 << 20
+    eager.buf[:4] = b"kvtr"
+    assert bytes(eager.buf[:4]) == b"kvtr"
