@@ -37,7 +37,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         stop = asyncio.Event()
-        with stop_on_signals(stop, log, force_after_s=cfg.daemon.shutdown_grace_s + 5):
+        with stop_on_signals(stop, log, force_after_s=cfg.daemon.shutdown_grace_s + 10):
             await Daemon(cfg, os.environ, log).run(stop)
 
     try:

@@ -37,6 +37,7 @@ from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
 GROUP = "kvtier"
+CHORE_STOP_S = 1.0  # how long the chores get to wind down at the stop
 REAP_INTERVAL_S = 5.0
 
 
@@ -161,13 +162,13 @@ class Daemon:
             await self._serve(stop, embedded, staging, bus)
         finally:
             if self.metrics is not None:
-                self.metrics.close()
+                await self._bounded("metrics", asyncio.to_thread(self.metrics.close))
             (self.runtime_dir / DESCRIPTOR).unlink(missing_ok=True)
             for rt in self.pools.values():
                 close_pool(rt, cfg.daemon.persist_arena)
             staging.close()
             for c in clients:
-                await c.aclose()
+                await self._bounded("redis", c.aclose())
             if embedded is not None:
                 await embedded.stop()
             self.log.info("daemon.stopped")
@@ -184,19 +185,33 @@ class Daemon:
     async def _serve(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, staging: StagingSegments,
                      bus) -> None:
         grace = self.cfg.daemon.shutdown_grace_s
+        # Chores (stats, reaper, lag sampler, stream sampler, watchdog) run beside the TaskGroup:
+        # they never end the daemon, and at the stop they get a bounded time to wind down, so
+        # one stuck in a Redis call cannot hold the stop up.
+        chores = [
+            asyncio.create_task(self._every(self.cfg.daemon.stats_interval_s, self._write_stats), name="stats"),
+            asyncio.create_task(self._every(REAP_INTERVAL_S, staging.reap), name="reaper"),
+            asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
+            asyncio.create_task(self._sample_streams(bus), name="stream-sampler"),
+        ]
+        if self.notifier.watchdog_s:
+            interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
+            chores.append(asyncio.create_task(self._every(interval, lambda: self.notifier.notify("WATCHDOG=1")),
+                                              name="watchdog"))
+        try:
+            await self._serve_work(stop, embedded, grace)
+        finally:
+            for t in chores:
+                t.cancel(msg="daemon stopping")
+            _done, stuck = await asyncio.wait(chores, timeout=CHORE_STOP_S)
+            if stuck:
+                self.log.warning("daemon.chores_stuck", chores=sorted(t.get_name() for t in stuck))
+            self._write_stats()
+
+    async def _serve_work(self, stop: asyncio.Event, embedded: EmbeddedRedis | None, grace: float) -> None:
         async with asyncio.TaskGroup() as tg:
             work = [tg.create_task(c.run(), name=f"consumer-{i}") for i, c in enumerate(self.consumers)]
-            chores = [
-                tg.create_task(self._every(self.cfg.daemon.stats_interval_s, self._write_stats)),
-                tg.create_task(self._every(REAP_INTERVAL_S, staging.reap)),
-                tg.create_task(self.loop_lag.run()),
-                tg.create_task(self._sample_streams(bus)),
-            ]
-            if self.notifier.watchdog_s:
-                interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
-                chores.append(tg.create_task(self._every(interval, lambda: self.notifier.notify("WATCHDOG=1"))))
-            if embedded is not None:
-                chores.append(tg.create_task(self._watch_embedded(embedded)))
+            watch = [tg.create_task(self._watch_embedded(embedded))] if embedded is not None else []
             self.notifier.notify("READY=1", f"STATUS=serving {len(self.pools)} pool(s)", f"MAINPID={os.getpid()}")
             self.log.info("daemon.ready", pools=sorted(self.pools), pid=os.getpid())
             await stop.wait()
@@ -207,9 +222,15 @@ class Daemon:
             _done, pending = await asyncio.wait(work, timeout=grace)
             for t in pending:
                 t.cancel(msg="shutdown grace period expired")
-            for t in chores:
+            for t in watch:
                 t.cancel(msg="daemon stopping")
-            self._write_stats()
+
+    async def _bounded(self, what: str, aw, timeout: float = 2.0) -> None:
+        """A teardown step that may not hold the stop up for long."""
+        try:
+            await asyncio.wait_for(aw, timeout)
+        except (TimeoutError, Exception) as e:
+            self.log.warning("daemon.teardown_step_failed", step=what, error=f"{type(e).__name__}: {e}")
 
     async def _every(self, interval: float, fn) -> None:
         while True:
