@@ -29,11 +29,15 @@ def redis_block_key(pool: str, key: bytes) -> str:
     return f"kvtier:blk:{pool}:{key.hex()}"
 
 
+def pack_header(out: bytearray, fingerprint: bytes, key: bytes, length: int, csum: int) -> bytearray:
+    BLK_HDR.pack_into(out, 0, BLK_MAGIC, BLK_VERSION, 0, fingerprint, key, length, csum)
+    return out
+
+
 def pack_block(fingerprint: bytes, key: bytes, payload: np.ndarray, csum: int) -> bytearray:
     out = bytearray(BLK_HDR.size + payload.nbytes)
-    BLK_HDR.pack_into(out, 0, BLK_MAGIC, BLK_VERSION, 0, fingerprint, key, payload.nbytes, csum)
     out[BLK_HDR.size:] = payload.reshape(-1).view(np.uint8).data
-    return out
+    return pack_header(out, fingerprint, key, payload.nbytes, csum)
 
 
 def unpack_block(raw: bytes, fingerprint: bytes, key: bytes, block_bytes: int) -> tuple[np.ndarray, int]:
@@ -109,8 +113,7 @@ class RedisBlocks:
 
     def seal(self, value: bytearray, key: bytes, csum: int) -> bytearray:
         """Write the header of a value filled through `new_value`."""
-        BLK_HDR.pack_into(value, 0, BLK_MAGIC, BLK_VERSION, 0, self.fingerprint, key, self.block_bytes, csum)
-        return value
+        return pack_header(value, self.fingerprint, key, self.block_bytes, csum)
 
     async def get_many(self, keys: list[bytes]) -> list[tuple[np.ndarray, int] | None | Exception]:
         """GET in one pipeline; per key the verified (payload, checksum), None when absent or

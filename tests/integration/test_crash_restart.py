@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -36,6 +35,7 @@ from kvtier.tiers.segment import SHM_DIR, ShmSegment
 from kvtier.tiers.slots import Flags, Kind, SlotTable
 from tests.support.daemon_proc import READY_TIMEOUT_S
 from tests.support.waiting import wait_until
+from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 
 pytestmark = pytest.mark.integration
 KILLS = int(os.environ.get("KVTIER_CRASH_KILLS", "20"))
@@ -99,15 +99,16 @@ def _check_segments(node: str, workers: list[subprocess.Popen]) -> None:
 @pytest.mark.timeout(120 + 8 * KILLS)
 def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server, tmp_path):
     d = daemon_factory(gpu=8, cpu=24, persist_arena=True)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    workers = [subprocess.Popen([sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir",
-                                 str(d.runtime_dir), "--pool", "t", "--prefixes", "12", "--seed", str(i),
-                                 "--report", str(tmp_path / f"w{i}.json")], env=env)
-               for i in range(CLIENTS)]
+    workers = start_demo_workers(d.runtime_dir, tmp_path, CLIENTS, prefixes=12)
+    bus = redis_server.client()
+    client_stream = f"kvtier:{{{d.node}}}:client"
     rng = random.Random(KILLS)
     named = 0
     slowest_start = 0.0
     try:
+        # Every client connected and putting (its staging segment exists) before the first kill.
+        wait_until(lambda: {n.split(".stage.")[1].split(".")[0] for n in _segments(d.node) if ".stage." in n}
+                   >= {str(w.pid) for w in workers}, timeout=60, message="every client is putting")
         wait_until(lambda: d.pool_stats().get("puts", 0) > 20, timeout=30, message="the workload started")
         for i in range(KILLS):
             if i % 5 == 4:  # one kill in five: the daemon dies at a named point in a write
@@ -121,7 +122,11 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
                 del d.env["KVTIER__DAEMON__FAILPOINT"]
                 named += 1
             else:
-                time.sleep(rng.uniform(0.1, 1.0))  # the kill lands wherever the workload happens to be
+                # The kill lands wherever the workload happens to be, a few client events from now
+                # (the stream's length, unlike the daemon's counters, runs on across restarts).
+                target = bus.xlen(client_stream) + rng.randint(1, 12)
+                wait_until(lambda: bus.xlen(client_stream) >= target, timeout=30, interval=0.01,
+                           message="the workload moved on")
                 d.kill()
             assert all(w.poll() is None for w in workers), "a client died with the daemon"
             before = _log_count(d, "arena.reattached")
@@ -135,12 +140,9 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
             _check_segments(d.node, workers)
         wait_until(lambda: d.pool_stats().get("puts", 0) > 0, timeout=30, message="work resumed after the last restart")
     finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            w.wait(30)
-    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(CLIENTS)]
-    total = {k: sum(r[k] for r in reports) for k in reports[0]}
+        stop_demo_workers(workers)
+        bus.close()
+    total = demo_totals(tmp_path, CLIENTS)
     assert total["wrong_blocks"] == 0, total
     assert total["requests"] > KILLS and total["local_hits"] > 0, total
 

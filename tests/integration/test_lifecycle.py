@@ -102,10 +102,8 @@ def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
     a wrong password stops the start with a clear error that does not print the password."""
     import asyncio
 
-    import torch
-
-    from kvtier.client import Client
     from tests.support.daemon_proc import DaemonProcess, write_config
+    from tests.support.workload import put_get_roundtrip
 
     admin = redis_server.client()
     admin.acl_setuser("kvtier-node", enabled=True, passwords=["+s3cret-pw"], keys=["kvtier:*"],
@@ -114,17 +112,7 @@ def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
         url = f"unix://kvtier-node:s3cret-pw@{redis_server.socket_path}"
         cfg = write_config(tmp_path, node=f"acl-{uuid.uuid4().hex[:8]}", redis_url=url)
         d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start()
-
-        async def roundtrip() -> None:
-            async with await Client.connect(d.runtime_dir) as client:
-                keys = client.block_keys("t", list(range(32)))
-                kv = torch.arange(2 * 2 * 2 * 2 * 16 * 32, dtype=torch.float16).reshape(2, 2, 2, 2, 16, 32)
-                assert (await client.put("t", keys, kv)).dropped == 0
-                assert await client.wait_resident("t", keys, timeout=10)
-                out = torch.zeros_like(kv)
-                assert await client.get("t", keys, out) == 2 and torch.equal(out, kv)
-
-        asyncio.run(roundtrip())
+        asyncio.run(put_get_roundtrip(d.runtime_dir))
         assert d.stop() == 0
 
         bad = write_config(tmp_path, node=f"acl-bad-{uuid.uuid4().hex[:8]}",
@@ -183,9 +171,8 @@ def test_watchdog_pings_stop_while_the_event_loop_is_blocked(tmp_path, redis_url
         pings: list[float] = []
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (len(pings) < 2 or pings[-1] - pings[0] < BLOCK_S + 2):
-            if "WATCHDOG=1" in d.take_messages():
+            if "WATCHDOG=1" in d.next_messages(timeout=0.5):  # blocks until a notification comes
                 pings.append(time.monotonic())
-            time.sleep(0.02)
         gaps = [b - a for a, b in zip(pings, pings[1:])]
         assert gaps and max(gaps) >= BLOCK_S * 0.8, f"pings kept coming while the loop was blocked: {gaps}"
         assert sorted(gaps)[len(gaps) // 2] < 0.5, f"pings were not regular otherwise: {gaps}"

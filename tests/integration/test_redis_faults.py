@@ -15,11 +15,7 @@ maxmemory (OOM errors are counted and backed off, without a hot retry loop).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -29,6 +25,7 @@ from tests.integration.test_daemon import make_kv, same_bytes
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.fault_proxy import FaultProxy
 from tests.support.waiting import async_wait_until, wait_until
+from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 
 pytestmark = pytest.mark.integration
 FAULT_S = 4.0  # longer than the daemon's socket timeout (2 s in tests), so every timeout fires
@@ -119,10 +116,7 @@ def test_redis_restarted_empty_mid_load(daemon_factory, redis_server, tmp_path) 
     """No persistence: streams, groups and blocks are gone. Groups are re-created on NOGROUP, the
     redis tier is treated as emptied, gpu and cpu keep serving, and nothing wrong is read."""
     d = daemon_factory(gpu=8, cpu=24)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    workers = [subprocess.Popen([sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir",
-                                 str(d.runtime_dir), "--pool", "t", "--prefixes", "12", "--seed", str(i),
-                                 "--report", str(tmp_path / f"w{i}.json")], env=env) for i in range(2)]
+    workers = start_demo_workers(d.runtime_dir, tmp_path, 2, prefixes=12)
     try:
         wait_until(lambda: d.pool_stats().get("tiers", {}).get("redis", {}).get("demoted_in", 0) > 10,
                    timeout=60, message="blocks were demoted to Redis")
@@ -138,12 +132,8 @@ def test_redis_restarted_empty_mid_load(daemon_factory, redis_server, tmp_path) 
         assert r.xinfo_groups(f"kvtier:{{{d.node}}}:client"), "the consumer group was re-created"
         r.close()
     finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            w.wait(30)
-    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
-    assert sum(r["wrong_blocks"] for r in reports) == 0
+        stop_demo_workers(workers)
+    assert demo_totals(tmp_path, 2)["wrong_blocks"] == 0
     assert d.stop() == 0
 
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 
-from kvtier.client import Client
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.waiting import wait_until
+from tests.support.workload import put_get_roundtrip
 
 pytestmark = pytest.mark.integration
 
@@ -83,18 +82,8 @@ def test_daemon_and_clients_over_tls(tmp_path, tls_redis) -> None:
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
     cfg = write_config(tmp_path, node=f"tls-{uuid.uuid4().hex[:8]}", redis_url=url)
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start()
-
-    async def roundtrip() -> None:
-        async with await Client.connect(d.runtime_dir) as client:
-            keys = client.block_keys("t", list(range(32)))
-            kv = torch.arange(2 * 2 * 2 * 2 * 16 * 32, dtype=torch.float16).reshape(2, 2, 2, 2, 16, 32)
-            assert (await client.put("t", keys, kv)).dropped == 0
-            assert await client.wait_resident("t", keys, timeout=10)
-            out = torch.zeros_like(kv)
-            assert await client.get("t", keys, out) == 2 and torch.equal(out, kv)
-
     try:
-        asyncio.run(roundtrip())
+        asyncio.run(put_get_roundtrip(d.runtime_dir))
     finally:
         assert d.stop() == 0
 

@@ -7,11 +7,7 @@ CI runs it for 60 s. For a long run: KVTIER_SOAK_S=600 .venv/bin/python -m pytes
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,6 +18,7 @@ from kvtier.client import Client
 from kvtier.demo import shared_prompts
 from kvtier.tiers.redis_blocks import redis_block_key
 from tests.support.waiting import wait_until
+from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 
 pytestmark = pytest.mark.integration
 SOAK_S = float(os.environ.get("KVTIER_SOAK_S", "60"))
@@ -34,23 +31,15 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     d = daemon_factory(gpu=16, cpu=48)
     prompts = shared_prompts(PREFIXES)
     assert sum(len(p) // 16 for p in prompts) >= 3 * (16 + 48)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    workers = [subprocess.Popen([sys.executable, "-m", "kvtier.cli", "_demo-worker", "--runtime-dir",
-                                 str(d.runtime_dir), "--pool", "t", "--prefixes", str(PREFIXES), "--seed", str(i),
-                                 "--report", str(tmp_path / f"w{i}.json")], env=env)
-               for i in range(CLIENTS)]
+    workers = start_demo_workers(d.runtime_dir, tmp_path, CLIENTS, PREFIXES)
     try:
         deadline = time.monotonic() + SOAK_S
         wait_until(lambda: time.monotonic() > deadline or any(w.poll() is not None for w in workers),
                    timeout=SOAK_S + 5, interval=0.5)
         assert all(w.poll() is None for w in workers), "a client died during the soak"
     finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            w.wait(30)
-    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(CLIENTS)]
-    total = {k: sum(r[k] for r in reports) for k in reports[0]}
+        stop_demo_workers(workers)
+    total = demo_totals(tmp_path, CLIENTS)
     assert total["requests"] > 50 and total["local_hits"] > 0 and total["redis_hits"] > 0, total
 
     # 1. Zero wrong bytes, every read checked against the block's known content.

@@ -111,6 +111,11 @@ class DaemonProcess:
         taken, self.messages = self.messages, []
         return taken
 
+    def next_messages(self, timeout: float) -> list[str]:
+        """Wait up to `timeout` for the next notification; it and any queued behind it."""
+        self._drain(timeout)
+        return self.take_messages()
+
     def wait_for_message(self, msg: str, timeout: float) -> None:
         def seen() -> bool:
             if msg in self.messages:
