@@ -65,7 +65,8 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
 # --- the environment: a private redis-server and a daemon ---------------------------------------
 
 class Env:
-    def __init__(self, layout: dict, cpu_blocks: int, workdir: Path) -> None:
+    def __init__(self, layout: dict, cpu_blocks: int, workdir: Path, *, device: str = "cpu",
+                 gpu_blocks: int = 0) -> None:
         self.dir = workdir
         self.sock = workdir / "redis.sock"
         self.redis = subprocess.Popen(
@@ -97,8 +98,8 @@ kv_heads = {layout['kv_heads']}
 head_dim = {layout['head_dim']}
 block_tokens = {layout['block_tokens']}
 dtype = "{layout['dtype']}"
-device = "cpu"
-gpu_blocks = 0
+device = "{device}"
+gpu_blocks = {gpu_blocks}
 cpu_blocks = {cpu_blocks}
 """)
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
