@@ -13,7 +13,7 @@
    redis-server, as `kvtier bench` starts one) and this process as its client. Blocks are put from
    a CUDA tensor, shed from the gpu tier to the cpu arena by the daemon (D2H), and read back into
    a CUDA tensor through the IPC mapping; every byte is compared, and the get is timed against a
-   device-to-device copy of the same bytes. Skipped, and said so, without redis-server on PATH.
+   device-to-device copy of the same bytes. A byte changed through the IPC mapping must be a miss. Skipped, and said so, without redis-server on PATH.
 
 Prints one line per check and "ALL CHECKS PASSED" at the end; exits 1 on any failure.
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtier.bus.events import Tier  # noqa: E402
 from kvtier.layout import BlockLayout  # noqa: E402
 from kvtier.tiers import gpu as gpu_mem  # noqa: E402
-from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity  # noqa: E402
+from kvtier.tiers.directory import NO_SLOT, DirectoryWriter, directory_bytes, directory_capacity  # noqa: E402
 from kvtier.tiers.index import TierIndex  # noqa: E402
 from kvtier.tiers.local import LocalTier  # noqa: E402
 from kvtier.tiers.segment import ShmSegment  # noqa: E402
@@ -114,12 +114,18 @@ async def client_round(env, dev: torch.device, n_gpu: int, n: int) -> None:
         t_d2d = timed(lambda: out[:m].copy_(kv[:m]))
         gb = m * bb / 1e9
         print(f"get from the gpu tier into a CUDA tensor {gb / best:.2f} GB/s vs a device copy "
-              f"{gb / t_d2d:.0f} GB/s (ratio {t_d2d / best:.4f}; each block goes D2H, is verified, then H2D)")
+              f"{gb / t_d2d:.0f} GB/s (ratio {t_d2d / best:.4f}; each block is copied on the device, then the copy is verified on the host)")
         # the rest overflows the gpu tier: the daemon sheds the oldest to the cpu arena (D2H)
         for i in range(m, n, m):
             res = await client.put("b", keys[i:i + m], kv[i:i + m], parent=keys[i - 1])
             check(f"put blocks {i}..{min(n, i + m) - 1} staged", res.dropped == 0)
         check("all blocks resident on the node", await client.wait_resident("b", keys, timeout=60))
+
+        def gpu_settled() -> bool:  # shedding done: the gpu tier is back under its high watermark
+            t = env.stats().get("pools", {}).get("b", {}).get("tiers", {}).get("gpu", {})
+            return t.get("blocks", n_gpu) <= 0.9 * n_gpu
+
+        env.wait_for(gpu_settled, "gpu tier shedding")
         tiers = client.lookup("b", keys).tiers
         on_gpu, on_cpu = sum(t == Tier.GPU for t in tiers), sum(t == Tier.CPU for t in tiers)
         check("the daemon shed blocks from the CUDA pool to the cpu arena", on_gpu > 0 and on_cpu > 0,
@@ -127,6 +133,19 @@ async def client_round(env, dev: torch.device, n_gpu: int, n: int) -> None:
         out.zero_()
         got = await client.get("b", keys, out)
         check("every block reads back exact from both tiers", got == n and torch.equal(out_raw, raw), f"{got}/{n} blocks")
+        # a byte changed behind the seqlock, through the IPC mapping any client holds: a miss there
+        # (a block with no cpu copy: with one, the read would rightly fall back to that copy)
+        at = max(i for i, t in enumerate(tiers) if t == Tier.GPU and p.directory.find(keys[i])[1] == NO_SLOT)
+        where, slot = p.locate(keys[at])
+        check("the block to change is still in the gpu tier", where == Tier.GPU, f"block {at} in {where.name}")
+        if where == Tier.GPU:
+            p.gpu_device_payload[slot, :1].bitwise_xor_(0xFF)
+            got = await client.get("b", keys, out)
+            check("a gpu block changed through the IPC mapping is a miss, not wrong bytes",
+                  got == at and torch.equal(out_raw[:at], raw[:at]), f"read {got}, changed block {at}")
+            p.gpu_device_payload[slot, :1].bitwise_xor_(0xFF)
+            got = await client.get("b", keys, out)
+            check("restored, it reads exact again", got == n and torch.equal(out_raw, raw), f"{got}/{n} blocks")
     stats = env.stats().get("pools", {}).get("b", {}).get("tiers", {})
     failed = {t: v.get("failed", 0) for t, v in stats.items()}
     check("the daemon counted no failed transfer", stats != {} and not any(failed.values()), f"failed {failed}")
@@ -228,10 +247,10 @@ def main() -> int:
             desc = Path(tmp) / "ipc.json"
             desc.write_text(json.dumps({"ipc": gpu_mem.export_ipc(pool),
                                         "checksums": [checksum(ref[i]) for i in range(n)]}))
-            run = subprocess.run([sys.executable, __file__, "--child", str(desc)], capture_output=True,
+            run = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", str(desc)], capture_output=True,
                                  text=True, timeout=300)
             check("second process reads every block through CUDA IPC", run.returncode == 0,
-                  (run.stdout.strip() or run.stderr.strip())[-300:])
+                  f"rc {run.returncode} " + (run.stdout.strip() + " " + run.stderr.strip())[-300:])
 
         # 4. the gpu tier: a LocalTier on a device payload, writes and verified reads
         hdr_name = f"kvtier.gpucheck-{uuid.uuid4().hex[:8]}.gpu"

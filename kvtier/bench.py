@@ -73,7 +73,7 @@ class Env:
             ["redis-server", "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700",
              "--save", "", "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        self._wait(lambda: self.sock.exists(), "redis-server")
+        self.wait_for(lambda: self.sock.exists(), "redis-server")
         self.url = f"unix://{self.sock}"
         self.node = f"bench-{uuid.uuid4().hex[:8]}"
         self.rdir = workdir / "rt"
@@ -113,7 +113,7 @@ cpu_blocks = {cpu_blocks}
             pass
 
     @staticmethod
-    def _wait(cond, what: str, timeout: float = 30) -> None:
+    def wait_for(cond, what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > deadline:

@@ -177,6 +177,7 @@ def run_demo(args) -> int:
                  "--report", str(rdir / f"client-{i}.json")], env=env, start_new_session=True,
                 preexec_fn=die_with_parent))
         t0 = time.monotonic()
+        gone: set[int] = set()
         try:
             while time.monotonic() - t0 < args.duration:
                 time.sleep(1.0)
@@ -184,6 +185,11 @@ def run_demo(args) -> int:
                     print(f"kvtier demo: the daemon exited with {daemon.returncode}; see {log_path}", flush=True)
                     code = 1
                     break
+                for i, w in enumerate(workers):
+                    if w.poll() is not None and i not in gone:
+                        gone.add(i)
+                        code = 1
+                        print(f"kvtier demo: client {i} exited early ({_exit_reason(w.returncode)})", flush=True)
                 try:
                     print(_progress(read_json(rdir / STATS), t0), flush=True)
                 except (OSError, ValueError):
@@ -216,6 +222,15 @@ def run_demo(args) -> int:
     else:
         shutil.rmtree(rdir, ignore_errors=True)
     return code
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _summary(rdir: Path, n_workers: int) -> int:

@@ -6,7 +6,6 @@ import os
 import secrets
 import time
 
-import numpy as np
 import torch
 
 from kvtier.bus.events import StagedBlock, Tier
@@ -64,7 +63,7 @@ class ClientPool:
         self.staging: SlotTable | None = None
         self._cursor = 0
         self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
-        self._host = np.empty(bb, dtype=np.uint8)  # bounce buffer for CUDA destinations
+        self._bounce: torch.Tensor | None = None  # pinned host block for CUDA destinations, made on first use
 
     # --- lookup and read ---------------------------------------------------------------------
 
@@ -87,8 +86,9 @@ class ClientPool:
 
     def read(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy `key` into dst (one block, any device). Verified; False means a miss."""
-        on_host = dst.device.type == "cpu"
-        host = dst.view(torch.uint8).reshape(-1).numpy() if on_host else self._host
+        flat = dst.view(torch.uint8).reshape(-1)
+        on_host = flat.device.type == "cpu"
+        host = flat.numpy() if on_host else self._pinned().numpy()
         row = self.directory.find(key)
         if row is None:
             return False
@@ -97,28 +97,38 @@ class ClientPool:
             if slot == NO_SLOT or table is None or not 0 <= slot < table.n:
                 continue
             if tier == Tier.GPU and self.gpu_device_payload is not None:
-                if self._read_device(table, slot, key, dst):
+                if self._read_device(table, slot, key, flat):
                     return True
                 continue
             if table.read_into(slot, key, host) is not None:
                 if not on_host:
-                    dst.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(host))
+                    flat.copy_(self._pinned())  # from pinned memory; returns once the copy is done
                 return True
         return False
 
+    def _pinned(self) -> torch.Tensor:
+        """A page-locked host block: copies between it and a GPU run at full PCIe speed, where a
+        pageable buffer measured about 3 GB/s on an H200."""
+        if self._bounce is None:
+            self._bounce = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._bounce
+
     def _read_device(self, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
-        """Read a block of a real GPU pool. The copy to the host is synchronous, so the seqlock
-        re-check really follows the copy (a device-to-device copy would only be queued on the
-        caller's stream), and the checksum is verified on the host copy like any other read."""
+        """Read a block of a real GPU pool into dst (flat uint8, any device). The bytes verified
+        are the caller's own copy, brought back to the host after the copy has finished: any
+        client can write the IPC mapping, so checking the source instead would leave a window
+        between the check and the copy. The seqlock re-check follows both copies."""
         snap = table.begin_read(slot, key)
         if snap is None:
             return False
-        host = torch.from_numpy(self._host)
-        host.copy_(self.gpu_device_payload[slot])  # blocking D2H
-        if not table.end_read(slot, snap[0], key) or checksum(self._host) != snap[1]:
-            return False
-        dst.view(torch.uint8).reshape(-1).copy_(host)
-        return True
+        dst.copy_(self.gpu_device_payload[slot])  # device to device, or a blocking D2H
+        if dst.device.type == "cpu":
+            host = dst.numpy()
+        else:
+            pinned = self._pinned()
+            pinned.copy_(dst)  # blocking: waits for the copy into dst, on the same stream
+            host = pinned.numpy()
+        return table.end_read(slot, snap[0], key) and checksum(host) == snap[1]
 
     # --- staging for put ---------------------------------------------------------------------
 

@@ -41,7 +41,11 @@ def export_ipc(pool: torch.Tensor) -> dict:
 def import_ipc(desc: dict) -> torch.Tensor:
     """Open a pool exported by `export_ipc` in another process."""
     raw = [bytes.fromhex(f) if isinstance(f, str) else f for f in desc["fields"]]
-    storage = torch.UntypedStorage._new_shared_cuda(*raw)
+    # Opening a handle is not a lazy-init point: in a process that has not touched CUDA yet it
+    # died without a word (seen on an H200, torch 2.11). Initialise first, on the pool's device.
+    torch.cuda.init()
+    with torch.cuda.device(int(raw[0])):
+        storage = torch.UntypedStorage._new_shared_cuda(*raw)
     t = torch.empty(0, dtype=torch.uint8, device=storage.device)
     t.set_(storage, 0, tuple(desc["shape"]))
     return t

@@ -51,7 +51,9 @@ class LocalTier:
         snap = self.table.begin_read(slot, key)
         if snap is None:
             return None
-        out[:] = self.device_payload[slot].cpu().numpy()  # synchronous D2H
+        import torch  # only on the CUDA path
+
+        torch.from_numpy(out).copy_(self.device_payload[slot])  # a blocking D2H, straight into out
         # Clients can write a CUDA IPC mapping: verify the bytes before they travel further down.
         if not self.table.end_read(slot, snap[0], key) or checksum(out) != snap[1]:
             return None
