@@ -123,6 +123,9 @@ class DaemonConfig:
     watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
     # Block copies at least this big run in a thread, off the event loop (0: every copy).
     off_loop_copy_bytes: int = setting(size(), 256 << 10)
+    # Threads that copy one batch's staged blocks into a tier at the same time (the copies and
+    # checksums release the GIL).
+    copy_threads: int = setting(integer(1, 64), 2)
     # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
     failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
 

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +23,17 @@ import torch
 from kvtier.bus.connect import make_redis
 from kvtier.bus.events import Access, Prefetch, Put, Tier
 from kvtier.bus.transport import BusStats, Publisher
-from kvtier.client.pools import ClientPool
+from kvtier.client.pools import ClientPool, host_rows
 from kvtier.config import default_runtime_dir
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.offload import map_shares
 from kvtier.processes import pid_alive
 from kvtier.tiers.redis_blocks import redis_block_key
 
 ACCESS_FLUSH_S = 0.02
+OFF_LOOP_BYTES = 256 << 10  # copies at least this big leave the caller's event loop
 DESCRIPTOR_CHECK_S = 0.5  # how often calls look for a restarted daemon (a new epoch)
 STREAM_MAXLEN = 100_000
 
@@ -90,9 +93,15 @@ def library_logger():
 
 
 class Client:
-    def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log) -> None:
+    def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log,
+                 copy_threads: int = 2) -> None:
+        if copy_threads < 1:
+            raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
         self._rdir = rdir
         self._staging_blocks = staging_blocks
+        self._copy_threads = copy_threads
+        self._copier: ThreadPoolExecutor | None = None  # made on the first big copy
+        self.off_loop_bytes = OFF_LOOP_BYTES
         self.desc = desc
         self.node: str = desc["node"]
         self.log = log.bind(node=self.node)
@@ -141,9 +150,10 @@ class Client:
 
     @classmethod
     async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 32,
-                      socket_timeout: float = 2.0) -> "Client":
+                      socket_timeout: float = 2.0, copy_threads: int = 2) -> "Client":
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
-        or the default runtime directory) and map its pools."""
+        or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
+        copy in `copy_threads` threads, off the caller's event loop."""
         rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
         desc, daemon_uid = _read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
@@ -151,7 +161,7 @@ class Client:
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
         try:
-            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger())
+            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads)
             client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
                             pools=sorted(desc.get("pools", {})), pid=os.getpid())
             return client
@@ -167,6 +177,8 @@ class Client:
         await self._flush_access()
         for p in self.pools.values():
             p.close()
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)  # idle: every copy is waited for by its call
         await self._redis.aclose()
 
     async def __aenter__(self) -> "Client":
@@ -224,19 +236,31 @@ class Client:
     async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
         """Copy the leading blocks of `keys` into out[0..n) (CPU or CUDA tensor [>=len(keys), *block_shape]).
         Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
-        row n may hold the bytes of a copy that then failed verification."""
+        rows from n on may hold bytes of copies that failed verification or came after a miss."""
         p = self.pool(pool)
         keys = [check_key(k) for k in keys]
         p.check_tensor(out, len(keys), "out")
-        n = 0
-        for i, key in enumerate(keys):
-            if not p.read(key, out[i]):
-                break
-            n += 1
+
+        def read(share: Sequence[int]) -> list[bool]:
+            return [p.read(keys[i], out[i]) for i in share]
+
+        with p.in_use():
+            ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes,
+                                  threads=1 if out.device.type != "cpu" else None)
+        n = next((i for i, hit in enumerate(ok) if not hit), len(keys))
         self.stats.reads += n
         self.stats.read_misses += len(keys) - n
         self._note_access(pool, keys[:n], len(keys) - n)
         return n
+
+    async def _copy(self, fn, items: Sequence, nbytes: int, threads: int | None = None) -> list:
+        """fn over items: inline when small, else in this client's copy threads, off the caller's
+        event loop. A GPU destination uses one thread (its pinned bounce buffer is per pool)."""
+        if nbytes < self.off_loop_bytes or not items:
+            return fn(items)
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="kvtier-copy")
+        return await map_shares(self._copier, fn, items, threads or self._copy_threads)
 
     # --- put / prefetch ------------------------------------------------------------------------
 
@@ -250,11 +274,23 @@ class Client:
         p.check_tensor(kv, len(keys), "kv")
         if not keys:
             return PutResult(0, 0)
-        staged = p.stage(keys, parent, kv[: len(keys)])
+        staged = p.take_slots(keys, parent)
+        segment = p.staging.seg.name  # p may be closed (daemon restarted) while the copies run
+        if staged:
+            rows = host_rows(kv, len(staged))
+            try:
+                with p.in_use():
+                    parts = await self._copy(lambda share: [p.fill_slot(b, rows[i]) for i, b in share],
+                                             list(enumerate(staged)), len(staged) * p.block_bytes)
+            except BaseException:
+                p.unstage(staged)
+                raise
+            staged = parts
+            p.staged(staged)
         dropped = len(keys) - len(staged)
         if staged:
             try:
-                await self._publisher.publish(self._client_stream, Put(pool, p.staging.seg.name, tuple(staged)))
+                await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged)))
             except redis.exceptions.RedisError as e:
                 p.unstage(staged)
                 dropped = len(keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -13,7 +14,7 @@ from kvtier.errors import BadRequest, SegmentError
 from kvtier.layout import BlockLayout
 from kvtier.tiers.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Flags, Kind, SlotTable, checksum, segment_bytes
+from kvtier.tiers.slots import EMPTY_KEY, Flags, Kind, SlotTable, checksum, segment_bytes
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -23,6 +24,14 @@ TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
 }
+
+
+def host_rows(kv: torch.Tensor, n: int):
+    """kv's first n blocks as [n, block_bytes] uint8 host rows (a copy only for a GPU tensor)."""
+    host = kv[:n].detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    return host.contiguous().view(torch.uint8).reshape(n, -1).numpy()
 
 
 # A staged block the daemon has not taken within this long is given up (see _free_slot).
@@ -63,6 +72,8 @@ class ClientPool:
         self.staging: SlotTable | None = None
         self._cursor = 0
         self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
+        self._users = 0  # calls copying through the mappings right now (see in_use)
+        self._closing = False
         self._bounce: torch.Tensor | None = None  # pinned host block for CUDA destinations, made on first use
 
     # --- lookup and read ---------------------------------------------------------------------
@@ -140,33 +151,57 @@ class ClientPool:
                 name, segment_bytes(self._staging_blocks, self.block_bytes),
                 mode=0o600 if same_user or self._gid is None else 0o660,
                 gid=None if same_user else self._gid,
+                reserve=True,  # every page now: a full /dev/shm fails here, not as a SIGBUS mid-put
             )
             self.staging = SlotTable.format(seg, Kind.STAGING, self._staging_blocks, self.block_bytes, self.fingerprint)
         return self.staging
 
-    def stage(self, keys: list[bytes], parent: bytes | None, kv: torch.Tensor) -> list[StagedBlock]:
-        """Write blocks into free staging slots. Stops at the first block with no free slot."""
+    def take_slots(self, keys: list[bytes], parent: bytes | None) -> list[StagedBlock]:
+        """Take free staging slots for the leading keys (stops at the first with none) and mark
+        each as being written (odd gen), so no other put takes it. `gen` is that odd gen until
+        `fill_slots` has written the block."""
         table = self._ensure_staging()
-        host = kv.detach()
-        if host.device.type != "cpu":
-            host = host.cpu()
-        flat = host.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()
-        staged: list[StagedBlock] = []
-        for i, key in enumerate(keys):
+        taken: list[StagedBlock] = []
+        for key in keys:
             slot = self._free_slot(table)
             if slot is None:
                 break
-            gen = table.write(slot, key, flat[i], Flags.READY, parent=parent)
-            self._staged_at[slot] = time.monotonic()
-            staged.append(StagedBlock(key, parent, slot, gen))
+            taken.append(StagedBlock(key, parent, slot, table.begin_write(slot)))
             parent = key
-        return staged
+        return taken
+
+    def fill_slot(self, b: StagedBlock, row) -> StagedBlock:
+        """Write a taken slot's block from `row` (uint8) and publish it READY, with its even gen.
+        Touches only that slot, so the blocks of one put may be filled in threads side by side."""
+        return StagedBlock(b.key, b.parent, b.slot,
+                           self.staging.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
+
+    def staged(self, blocks: list[StagedBlock]) -> None:
+        now = time.monotonic()
+        for b in blocks:
+            self._staged_at[b.slot] = now
+
+    def stage(self, keys: list[bytes], parent: bytes | None, kv: torch.Tensor) -> list[StagedBlock]:
+        """Write blocks into free staging slots, here and now. Stops at the first block with no free slot."""
+        taken = self.take_slots(keys, parent)
+        try:
+            rows = host_rows(kv, len(taken))
+            blocks = [self.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
+        except BaseException:
+            self.unstage(taken)
+            raise
+        self.staged(blocks)
+        return blocks
 
     def unstage(self, staged: list[StagedBlock]) -> None:
-        """The daemon never heard of these (publishing failed): make the slots reusable."""
+        """The daemon never heard of these (publishing failed, or the fill did): make the slots
+        reusable, including one left half written (odd gen)."""
         if self.staging is not None:
             for b in staged:
-                self.staging.set_flags(b.slot, Flags.FREE)
+                if self.staging.gen(b.slot) % 2:
+                    self.staging.end_write(b.slot, self.staging.gen(b.slot), EMPTY_KEY, 0, 0, Flags.FREE)
+                else:
+                    self.staging.set_flags(b.slot, Flags.FREE)
 
     def _free_slot(self, table: SlotTable) -> int | None:
         for i in range(table.n):
@@ -199,7 +234,26 @@ class ClientPool:
             raise BadRequest(f"{what} must be contiguous")
         return t
 
+    @contextmanager
+    def in_use(self):
+        """Held while threads copy through this pool's mappings: a close meanwhile (the daemon
+        restarted, the client closes) waits until they are done, rather than unmap under them."""
+        self._users += 1
+        try:
+            yield self
+        finally:
+            self._users -= 1
+            if self._closing and not self._users:
+                self._close_now()
+
     def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if not self._users:
+            self._close_now()
+
+    def _close_now(self) -> None:
         if self.staging is not None:
             self.staging._payloads = None
             self.staging.seg.close()

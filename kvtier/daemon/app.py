@@ -152,6 +152,7 @@ class Daemon:
             for t in Tier:
                 worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
                                     off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
+                                    copy_threads=cfg.daemon.copy_threads,
                                     pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
                 self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
                                                      worker.flush))

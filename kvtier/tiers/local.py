@@ -12,7 +12,7 @@ import numpy as np
 from kvtier.bus.events import Tier
 from kvtier.tiers.directory import NO_SLOT, DirectoryWriter
 from kvtier.tiers.index import Entry, State, TierIndex
-from kvtier.tiers.slots import SLOT_MAGIC, Flags, SlotTable, checksum
+from kvtier.tiers.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
 
 
 class LocalTier:
@@ -91,6 +91,22 @@ class LocalTier:
             g = self.table.begin_write(e.slot)
             self.device_payload[e.slot].copy_(torch.from_numpy(data))
             self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
+
+    def fill_from(self, e: Entry, read) -> int | None:
+        """Fill the reserved slot with what `read(payload)` copies straight into it (a staging
+        pread into the arena: one copy fewer than going through a buffer). `read` returns the
+        checksum it verified on those bytes, or None; then the slot is left empty."""
+        g = self.table.begin_write(e.slot)
+        try:
+            csum = read(self.table.payload(e.slot))
+        except BaseException:
+            self.table.invalidate(e.slot)
+            raise
+        if csum is None:
+            self.table.end_write(e.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
+            return None
+        self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
+        return csum
 
     def finish(self, e: Entry) -> Entry:
         self.index.commit(e.key)

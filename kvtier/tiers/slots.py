@@ -201,10 +201,20 @@ class SlotTable:
     def write(self, slot: int, key: bytes, data, flags: int = Flags.VALID, csum: int | None = None,
               parent: bytes | None = None) -> int:
         """Seqlock-write a payload that lives in this segment. Returns the new even gen."""
+        self._length(data)  # before the slot is touched
+        return self.write_reserved(slot, self.begin_write(slot), key, data, flags, csum, parent)
+
+    def _length(self, data) -> int:
         length = len(data) if not isinstance(data, np.ndarray) else data.nbytes
         if length > self.block_bytes:
             raise ValueError(f"payload of {length} bytes exceeds the block size {self.block_bytes}")
-        g = self.begin_write(slot)
+        return length
+
+    def write_reserved(self, slot: int, g: int, key: bytes, data, flags: int = Flags.VALID,
+                       csum: int | None = None, parent: bytes | None = None) -> int:
+        """The rest of `write`, for a slot already marked by `begin_write` (odd gen `g`): taken
+        on the event loop, filled in a thread. Raises (slot left odd) if data is too big."""
+        length = self._length(data)
         dst = self.payloads()[slot, :length]
         np.copyto(dst, np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8))
         if csum is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis.exceptions
@@ -21,18 +23,23 @@ from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stor
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
+from kvtier.offload import map_shares, run_off_loop
 from kvtier.tiers.directory import IN_REDIS
 from kvtier.tiers.fence import CommandFence
+from kvtier.tiers.index import Entry
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.policy import DROP_REASONS
 from kvtier.tiers.pool import PoolRuntime
+
+if TYPE_CHECKING:
+    from kvtier.daemon.staging import StagingFile
 
 Fact = Stored | Removed
 
 
 class TierWorker:
     def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging, publisher, facts_stream: str,
-                 log, *, off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20,
+                 log, *, off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20, copy_threads: int = 1,
                  failpoints: Failpoints | None = None) -> None:
         self.tier = tier
         self.pools = pools
@@ -51,6 +58,8 @@ class TierWorker:
         self.off_loop_bytes = off_loop_bytes
         self.failpoints = failpoints or Failpoints()
         self.pipeline_bytes = pipeline_bytes
+        self.copy_threads = copy_threads
+        self._stores: list[_LocalStore] = []  # reserved slots waiting for their staged bytes
         self._writes: list[_RedisWrite] = []  # queued SETs (the redis worker)
         self._reads: list[_RedisRead] = []  # queued GETs (promotes from Redis into this tier)
         self._queued: set[tuple[str, bytes]] = set()
@@ -146,6 +155,8 @@ class TierWorker:
             return Stored(rt.name, ev.key, ev.parent, self.tier, held.slot, Store.TYPE)
         if self.tier == Tier.REDIS:  # no local room: written through to Redis, read straight into the value
             value, buf = rt.redis.new_value()
+        elif dst.device_payload is None:
+            return await self._queue_store(rt, dst, ev, staging, t0)
         else:
             value, buf = None, self._buf(bb)
         try:
@@ -162,6 +173,51 @@ class TierWorker:
         if entry is None:
             return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
         return self._stored(rt, ev, entry.slot)
+
+    async def _queue_store(self, rt: PoolRuntime, dst: LocalTier, ev: Store, staging, t0: float) -> Fact | None:
+        """Reserve the slot now; the bytes are read from staging straight into it at the next
+        drain, together with the batch's other stores, in one thread hop (`_drain_stores`)."""
+        e = dst.begin(ev.key, ev.parent)
+        if e is None and await self._make_room(rt, dst):
+            e = dst.begin(ev.key, ev.parent)
+        if e is None:
+            self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
+            return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
+        self._stores.append(_LocalStore(rt, ev, dst, e, staging, t0))
+        self._queued.add((rt.name, ev.key))
+        self._queued_bytes += rt.layout.block_bytes
+        return None
+
+    async def _drain_stores(self, stores: list["_LocalStore"]) -> None:
+        if self.tier == Tier.CPU and self.failpoints.due("shm_torn"):
+            s = stores[0]  # die halfway through a copy: the slot stays odd, half written
+            s.dst.table.begin_write(s.entry.slot)
+            s.dst.table.payload(s.entry.slot)[: s.rt.layout.block_bytes // 2] = 0xA5
+            self.failpoints.die()
+        try:
+            nbytes = sum(s.rt.layout.block_bytes for s in stores)
+            if nbytes < self.off_loop_bytes:
+                results = _fill_from_staging(stores)
+            else:  # each thread writes only its own share of the reserved slots
+                results = await map_shares(None, _fill_from_staging, stores, self.copy_threads)
+        except BaseException:
+            # Cancelled (the copy itself has finished): unreserve, and leave the staging slots
+            # to the redelivery of these commands, or to their client's reclaim.
+            for s in stores:
+                s.dst.abort(s.entry)
+            raise
+        self.failpoints.reached("shm_written")
+        for s, got in zip(stores, results):
+            self.staging.release(s.ev.segment, s.rt.layout.block_bytes, s.ev.slot, s.ev.gen)
+            if got is None or isinstance(got, OSError):
+                s.dst.abort(s.entry)
+                why, detail = (("verify", "staging slot changed or failed its checksum") if got is None
+                               else ("bad_staging", str(got)))
+                fact = self._failed(s.rt, s.ev, why, detail, dropped=True)
+            else:
+                s.dst.finish(s.entry)
+                fact = self._stored(s.rt, s.ev, s.entry.slot)
+            self._report(s.rt, fact, s.t0)
 
     def _stored(self, rt: PoolRuntime, ev: Store | Promote | Demote | Copy, slot: int) -> Stored:
         """Count a completed store or transfer into this tier and make its fact."""
@@ -192,11 +248,15 @@ class TierWorker:
         self._queued_bytes += r.rt.layout.block_bytes
 
     async def _drain(self) -> None:
-        """Run the queued Redis writes and reads, one pipeline per pool, and report their outcomes."""
+        """Run the queued stores (one thread hop), then the queued Redis writes and reads (one
+        pipeline per pool), and report their outcomes."""
+        stores, self._stores = self._stores, []
         writes, self._writes = self._writes, []
         reads, self._reads = self._reads, []
         self._queued.clear()
         self._queued_bytes = 0
+        if stores:
+            await self._drain_stores(stores)
         for rt, group in _by_pool(writes):
             put = asyncio.ensure_future(rt.redis.put_many([(w.ev.key, w.value) for w in group]))
             if self.failpoints.armed("redis_write"):
@@ -300,20 +360,11 @@ class TierWorker:
         return dst.finish(e)
 
     async def _off_loop(self, nbytes: int, fn, *args):
-        """Run a block copy in a thread when it is big enough to stall the loop. Once started it
-        is waited for even if we are cancelled: it writes into a slot we are about to free."""
+        """Run a block copy in a thread when it is big enough to stall the loop (waited for even
+        if we are cancelled: it writes into a slot we are about to free)."""
         if nbytes < self.off_loop_bytes:
             return fn(*args)
-        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            while not fut.done():
-                try:
-                    await asyncio.wait([fut])
-                except asyncio.CancelledError:
-                    continue
-            raise
+        return await run_off_loop(None, fn, *args)
 
     async def _make_room(self, rt: PoolRuntime, dst: LocalTier) -> bool:
         """Full: drop one block the next tier holds (confirmed with Redis for the cpu tier).
@@ -410,6 +461,28 @@ class TierWorker:
         self.log.warning("tier.transfer_failed", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                          why=why, detail=detail)
         return Removed(rt.name, ev.key, self.tier, f"{ev.TYPE}_failed:{why}")
+
+
+@dataclass(slots=True)
+class _LocalStore:
+    rt: PoolRuntime
+    ev: Store
+    dst: LocalTier
+    entry: Entry  # the reserved (PENDING) slot
+    staging: StagingFile
+    t0: float
+
+
+def _fill_from_staging(stores: list[_LocalStore]) -> list[int | None | OSError]:
+    """Each staged block read straight into its reserved slot and verified there (off the loop:
+    it touches only those slots and the staging files)."""
+    out: list[int | None | OSError] = []
+    for s in stores:
+        try:
+            out.append(s.dst.fill_from(s.entry, partial(s.staging.read_into, s.ev.slot, s.ev.key, s.ev.gen)))
+        except OSError as e:
+            out.append(e)
+    return out
 
 
 @dataclass(slots=True)

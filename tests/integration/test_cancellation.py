@@ -115,12 +115,17 @@ async def verify_puts(client: Client, world: World, done: list) -> None:
         assert same_bytes(out[:n], kv[:n]), f"put {pid}: the blocks it stored hold other bytes"
 
 
-async def test_cancelled_calls_never_get_another_callers_data(daemon_factory, redis_server):
-    d = daemon_factory(node="cancel", gpu=512, cpu=16)  # room for everything: no demotions
+@pytest.mark.parametrize("copies", ["inline", "threads"])
+async def test_cancelled_calls_never_get_another_callers_data(daemon_factory, redis_server, copies):
+    """`threads`: every get and put copies in the client's copy threads (big blocks do), so a
+    cancellation also lands while threads write into the caller's tensor and the staging."""
+    d = daemon_factory(node=f"cancel-{copies}", gpu=512, cpu=16)  # room for everything: no demotions
     r = redis_server.client()
     rng = random.Random(2823)
     try:
         async with await Client.connect(d.runtime_dir, staging_blocks=1024) as client:
+            if copies == "threads":
+                client.off_loop_bytes = 0
             world = World(client.block_keys, client.pool("t").fingerprint, r)
             for keys, kv in zip(world.local, world.local_kv):
                 assert (await client.put("t", keys, kv)).dropped == 0

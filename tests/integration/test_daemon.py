@@ -172,6 +172,24 @@ async def test_warm_restart_keeps_the_cpu_arena(daemon_factory):
     assert "reattached" in d.log_tail(20000)
 
 
+async def test_a_pool_closed_mid_copy_stays_mapped_until_the_copies_finish(daemon_factory):
+    """The client re-maps its pools when the daemon restarts; copies running in the client's copy
+    threads at that moment must not have the mapping pulled from under them (a SIGSEGV)."""
+    d = daemon_factory(node="inuse", gpu=0, cpu=16)
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(16 * 3)), salt=b"in-use")
+        kv = make_kv(3, seed=9)
+        await put_chain(client, keys, kv)
+        p = client.pool("t")
+        with p.in_use():  # as get and put hold it around their threaded copies
+            p.close()  # what following a daemon restart does to the old pool
+            out = torch.empty((3, *SHAPE), dtype=torch.float16)
+            assert all(p.read(k, out[i]) for i, k in enumerate(keys)), "still mapped while in use"
+            assert same_bytes(out, kv)
+            assert p.staging is not None
+        assert p.staging is None, "closed once the copies are done"
+
+
 async def test_status_shows_tiers_counters_and_transfer_latency(daemon_factory):
     import json
     import subprocess

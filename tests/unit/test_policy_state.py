@@ -113,14 +113,18 @@ class PolicyMachine(RuleBasedStateMachine):
             for fact in self.apply(cmd):
                 self.history.append(fact)
                 facts.append(fact)
-                if isinstance(fact, Removed) and fact.cause.startswith("promote_failed:"):
-                    self.leases.pop(fact.key, None)  # the policy gives up the lease of what never came
+                self.observe(fact)
                 for c in self.p.on_fact(fact):  # a write-back ends only for its leaving, free block
                     e = self.idx[c.tier].get(c.key) if isinstance(c, Evict) else None
                     assert e is None or (e.leaving and e.pins == 1 and not self.idx[c.tier].children(c.key)), c
                     queue.append(c)
         del self.history[:-40]
         return facts
+
+    def observe(self, fact: Stored | Removed) -> None:
+        """What a fact changes in the model besides the tiers, as on_fact does in the policy."""
+        if isinstance(fact, Removed) and fact.cause.startswith("promote_failed:"):
+            self.leases.pop(fact.key, None)  # the policy gives up the lease of what never came
 
     def apply(self, cmd) -> list[Stored | Removed]:
         """One command, as TierWorker.handle: the facts it reports, in order."""
@@ -389,6 +393,7 @@ class PolicyMachine(RuleBasedStateMachine):
         """A lost store or promote is delivered after all, perhaps after its marks expired."""
         cmd = self.parked.pop(data.draw(st.integers(0, len(self.parked) - 1)))
         for fact in self.apply(cmd):
+            self.observe(fact)
             self.execute(self.p.on_fact(fact))
 
     @precondition(lambda self: len(self.history) >= 30)  # some traffic since the last one

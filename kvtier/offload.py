@@ -1,0 +1,48 @@
+"""Block copies off the event loop, in threads (numpy copies, preads and xxh3 release the GIL).
+
+A copy that has started writes into memory its caller is about to reuse or free (a tier slot,
+a staging slot, the caller's tensor), so it is always waited for: a cancelled caller sees its
+CancelledError only once every copy it started has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+
+async def _finish(futs: Sequence[asyncio.Future]) -> None:
+    try:
+        await asyncio.wait(futs)
+    except asyncio.CancelledError:
+        while not all(f.done() for f in futs):
+            try:
+                await asyncio.wait(futs)
+            except asyncio.CancelledError:
+                continue
+        raise
+
+
+async def run_off_loop(executor: Executor | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a thread of `executor` (None: the loop's default), waited for even if cancelled."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    await _finish([fut])
+    return fut.result()
+
+
+async def map_shares(executor: Executor | None, fn: Callable[[Sequence[Any]], list], items: Sequence[Any],
+                     threads: int) -> list:
+    """fn over `threads` interleaved shares of `items` side by side; results in the items' order.
+    fn(share) returns one result per item of its share. Every share is finished before this
+    returns or raises (the first failure is raised then)."""
+    k = max(1, min(threads, len(items)))
+    shares = [items[i::k] for i in range(k)]
+    loop = asyncio.get_running_loop()
+    futs = [loop.run_in_executor(executor, fn, share) for share in shares]
+    await _finish(futs)
+    out: list = [None] * len(items)
+    for i, f in enumerate(futs):
+        out[i::k] = f.result()
+    return out
