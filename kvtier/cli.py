@@ -25,7 +25,6 @@ def _load(path: str | None):
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     import structlog
-    import uvloop
 
     from kvtier.daemon.app import Daemon
     from kvtier.daemon.lifecycle import stop_on_signals
@@ -41,7 +40,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             await Daemon(cfg, os.environ, log).run(stop)
 
     try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        if cfg.daemon.event_loop == "uvloop":
+            import uvloop
+
+            loop_factory = uvloop.new_event_loop
+        else:
+            loop_factory = asyncio.new_event_loop
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(main())
             # Stopped cleanly: segments, descriptor, Redis clients and the embedded server are
             # all released by now. Leave at once rather than through the loop and interpreter
@@ -94,6 +99,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.prefill:
+        from kvtier.prefill import run_prefill
+
+        return run_prefill(args)
     from kvtier.bench import run_bench
 
     return run_bench(args)
@@ -137,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
     b.add_argument("--quick", action="store_true", help="tiny sizes; checks each path returns the right bytes")
     b.add_argument("--json", help="also write the results as JSON to this file")
+    b.add_argument("--prefill", action="store_true",
+                   help="run the prefill-saved scenario instead: client processes replay a shared-prompt trace")
+    pf = b.add_argument_group("prefill scenario")
+    pf.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
+    pf.add_argument("--requests", type=int, default=240, help="requests in the trace (default 240)")
+    pf.add_argument("--prefixes", type=int, default=24, help="shared system prompts (default 24)")
+    pf.add_argument("--gpu-blocks", type=int, default=48, help="gpu tier blocks of 2 MiB (default 48)")
+    pf.add_argument("--cpu-blocks", type=int, default=144, help="cpu tier blocks of 2 MiB (default 144)")
+    pf.add_argument("--device", default="cpu", help="gpu tier device: cpu (default), auto or cuda")
+    pf.add_argument("--prefill-tok-s", type=float, default=25_000,
+                    help="cost model: prefill tokens per second of GPU time (default 25,000: Llama-3-8B at 400 TFLOP/s)")
+    pf.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
+    pf.add_argument("--timeout", type=float, default=900, help="give up after this many seconds (default 900)")
     b.set_defaults(fn=cmd_bench)
 
     m = sub.add_parser("demo", help="start a daemon on the embedded Redis and drive a shared-prefix workload")
@@ -154,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prefixes", type=int, required=True)
     w.add_argument("--seed", type=int, required=True)
     w.add_argument("--report", required=True)
+    w.add_argument("--trace", help="replay this trace file (JSON) instead of drawing requests at random")
+    w.add_argument("--share", type=int, default=0, help="with --trace: replay requests share, share+shares, ...")
+    w.add_argument("--shares", type=int, default=1)
+    w.add_argument("--think-s", type=float, default=0.02, help="pause between requests")
     w.set_defaults(fn=cmd_demo_worker)
     return ap
 

@@ -123,6 +123,8 @@ class DaemonConfig:
     watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
     # Block copies at least this big run in a thread, off the event loop (0: every copy).
     off_loop_copy_bytes: int = setting(size(), 256 << 10)
+    # The event loop: uvloop (faster), or asyncio's own (for debugging, and to measure uvloop).
+    event_loop: str = setting(choice("uvloop", "asyncio"), "uvloop", text=True)
     # Threads that copy one batch's staged blocks into a tier at the same time (the copies and
     # checksums release the GIL).
     copy_threads: int = setting(integer(1, 64), 2)

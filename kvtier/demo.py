@@ -48,6 +48,40 @@ def worker_main(args) -> int:
     return 0
 
 
+def zipf_weights(n: int) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** 1.1  # zipf: a few prompts are hot
+    return w / w.sum()
+
+
+def _draw(rng: np.random.Generator, weights: np.ndarray) -> dict:
+    """One request: a shared prompt (zipf) plus a private suffix of 1-4 blocks, given by its
+    length and the seed of its tokens."""
+    return {"prompt": int(rng.choice(len(weights), p=weights)), "suffix_blocks": int(rng.integers(1, 5)),
+            "suffix_seed": int(rng.integers(0, 2**31))}
+
+
+def make_trace(requests: int, prefixes: int, seed: int) -> list[dict]:
+    """A replayable trace of `requests` requests over `prefixes` shared prompts."""
+    rng, weights = np.random.default_rng(seed), zipf_weights(prefixes)
+    return [_draw(rng, weights) for _ in range(requests)]
+
+
+def request_tokens(prompts: list[list[int]], req: dict) -> list[int]:
+    suffix = np.random.default_rng(req["suffix_seed"]).integers(0, 128_000, 16 * req["suffix_blocks"])
+    return prompts[req["prompt"]] + suffix.tolist()
+
+
+def _requests(args, prompts: list[list[int]]):
+    """This worker's requests: its share of the trace file, or an endless stream from its seed."""
+    if getattr(args, "trace", None):
+        trace = json.loads(Path(args.trace).read_text())
+        yield from trace[args.share::args.shares]
+        return
+    rng, weights = np.random.default_rng(args.seed), zipf_weights(len(prompts))
+    while True:
+        yield _draw(rng, weights)
+
+
 async def _worker(args, stop: dict) -> dict:
     import torch
 
@@ -60,33 +94,42 @@ async def _worker(args, stop: dict) -> dict:
     pool = client.pool(args.pool)
     bb = pool.block_bytes
     prompts = shared_prompts(args.prefixes)
-    rng = np.random.default_rng(args.seed)
-    weights = 1.0 / np.arange(1, len(prompts) + 1) ** 1.1  # zipf: a few prompts are hot
-    weights /= weights.sum()
     r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, via_redis=0, wrong_blocks=0, put_staged=0,
-             put_dropped=0, gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0)
+             put_dropped=0, gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0,
+             gpu_at_lookup=0, cpu_at_lookup=0, prefix_s=[], pulls=0, pull_timeouts=0, pull_s=0.0)
     max_blocks = max(len(p) for p in prompts) // 16 + 4
     out = torch.empty((max_blocks, *pool.shape), dtype=pool.dtype)
     try:
-        while not stop["now"]:
-            rank = int(rng.choice(len(prompts), p=weights))
-            tokens = prompts[rank] + rng.integers(0, 128_000, 16 * int(rng.integers(1, 5))).tolist()
-            keys = client.block_keys(args.pool, tokens, salt=b"demo")
+        for req in _requests(args, prompts):
+            if stop["now"]:
+                break
+            rank = req["prompt"]
+            keys = client.block_keys(args.pool, request_tokens(prompts, req), salt=b"demo")
+            t0 = time.perf_counter()  # time to get the cached prefix: lookup, pull from Redis, read
             found = await client.locate(args.pool, keys)
             if found.redis_length:
                 # Pull the rest of the prefix up from Redis before reading it.
                 head = keys[found.length - 1] if found.length else None
                 more = keys[found.length : found.length + found.redis_length]
+                t_pull = time.perf_counter()
                 await client.prefetch(args.pool, more, parent=head)
-                await client.wait_resident(args.pool, keys[: found.length + len(more)], timeout=1.0)
+                if not await client.wait_resident(args.pool, keys[: found.length + len(more)], timeout=1.0):
+                    r["pull_timeouts"] += 1  # read what has arrived; recompute the rest
+                r["pull_s"] += time.perf_counter() - t_pull
+                r["pulls"] += 1
                 r["redis_hits"] += len(more)
             hit = client.lookup(args.pool, keys)
             n = await client.get(args.pool, keys, out)
+            if n:
+                r["prefix_s"].append(time.perf_counter() - t0)
             for i in range(n):
                 if not np.array_equal(out[i].view(torch.uint8).reshape(-1).numpy(), expected_block(keys[i], bb)):
                     r["wrong_blocks"] += 1
             r["gpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "gpu")
             r["cpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "cpu")
+            # Where the blocks read were when the request arrived (the rest came from Redis).
+            r["gpu_at_lookup"] += sum(1 for t in found.tiers[:n] if t.label == "gpu")
+            r["cpu_at_lookup"] += sum(1 for t in found.tiers[:n] if t.label == "cpu")
             r["requests"] += 1
             r["blocks"] += len(keys)
             r["local_hits"] += n
@@ -102,7 +145,7 @@ async def _worker(args, stop: dict) -> dict:
                 res = await client.put(args.pool, keys[n:], kv, parent=keys[n - 1] if n else None)
                 r["put_staged"] += res.staged
                 r["put_dropped"] += res.dropped
-            await asyncio.sleep(0.02)  # think time; also leaves the 2-core machine to the daemon
+            await asyncio.sleep(args.think_s)  # think time; also leaves the 2-core machine to the daemon
     finally:
         await client.close()
     return r
@@ -233,6 +276,12 @@ def _exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
+def sum_reports(reports: list[dict]) -> dict:
+    """The workers' reports added up key by key (lists, such as per-request times, joined)."""
+    return {k: sum((r[k] for r in reports), [] if isinstance(reports[0][k], list) else 0)
+            for k in (reports[0] if reports else {})}
+
+
 def _summary(rdir: Path, n_workers: int) -> int:
     try:
         stats = read_json(rdir / STATS)
@@ -245,7 +294,7 @@ def _summary(rdir: Path, n_workers: int) -> int:
             reports.append(json.loads((rdir / f"client-{i}.json").read_text()))
         except (OSError, ValueError):
             print(f"kvtier demo: client {i} wrote no report")
-    tot = {k: sum(r[k] for r in reports) for k in (reports[0] if reports else {})}
+    tot = sum_reports(reports)
     print("\n=== kvtier demo summary ===")
     for name, pool in stats["pools"].items():
         print(f"pool {name}: block {pool['block_bytes']} B, puts {pool['puts']}, dropped {pool['puts_dropped']}, "

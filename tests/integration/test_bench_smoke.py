@@ -39,3 +39,22 @@ def test_gpu_check_skips_cleanly_without_cuda() -> None:
         assert "ALL CHECKS PASSED" in run.stdout
     else:
         assert run.returncode == 0 and "SKIP: no CUDA device" in run.stdout, run.stdout + run.stderr
+
+
+def test_prefill_scenario_replays_the_trace_and_accounts_for_every_block(tmp_path: Path) -> None:
+    """A tiny `kvtier bench --prefill`: two client processes replay 8 requests over 2 shared
+    prompts on 2 MiB blocks. Every block wanted is read from exactly one place or missed, no read
+    returns wrong bytes, and the cost model's figures follow from the counts."""
+    out = tmp_path / "prefill.json"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--prefill", "--clients", "2", "--requests", "8",
+                          "--prefixes", "2", "--gpu-blocks", "8", "--cpu-blocks", "16", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    res = json.loads(out.read_text())
+    assert res["requests"] == 8 and res["wrong_blocks"] == 0
+    assert abs(sum(res["hit_rate"].values()) - 1.0) < 1e-9, res["hit_rate"]
+    assert res["hit_rate"]["miss"] < 1.0, "a prompt asked for again is read from the cache"
+    assert res["hit_tokens"] > 0 and res["recompute_avoided_s"] == res["hit_tokens"] / 25_000
+    assert res["net_saved_s"] == res["recompute_avoided_s"] - res["fetch_s"]
+    assert 0 < res["prefix_ms"]["p50"] <= res["prefix_ms"]["p99"]
+    assert "prefill avoided:" in run.stdout and "cost model:" in run.stdout

@@ -28,8 +28,9 @@ def stop_demo_workers(workers: list[subprocess.Popen]) -> None:
 
 def demo_totals(report_dir: Path, n: int) -> dict:
     """The workers' reports, summed key by key."""
-    reports = [json.loads((report_dir / f"w{i}.json").read_text()) for i in range(n)]
-    return {k: sum(r[k] for r in reports) for k in reports[0]}
+    from kvtier.demo import sum_reports
+
+    return sum_reports([json.loads((report_dir / f"w{i}.json").read_text()) for i in range(n)])
 
 
 async def put_get_roundtrip(runtime_dir: Path) -> None:
