@@ -126,8 +126,8 @@ class DaemonConfig:
     # The event loop: uvloop (faster), or asyncio's own (for debugging, and to measure uvloop).
     event_loop: str = setting(choice("uvloop", "asyncio"), "uvloop", text=True)
     # Threads that copy one batch's staged blocks into a tier at the same time (the copies and
-    # checksums release the GIL).
-    copy_threads: int = setting(integer(1, 64), 2)
+    # checksums release the GIL); 0 = min(4, CPU cores).
+    copy_threads: int = setting(integer(0, 64), 0)
     # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
     failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
 

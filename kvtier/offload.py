@@ -8,9 +8,15 @@ CancelledError only once every copy it started has finished.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
+
+
+def default_copy_threads() -> int:
+    """Copy threads when none are configured: a few, never more than the cores."""
+    return min(4, os.cpu_count() or 1)
 
 
 async def _finish(futs: Sequence[asyncio.Future]) -> None:

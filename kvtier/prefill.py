@@ -126,7 +126,7 @@ def render(o: dict) -> str:
         f"requests {o['requests']}, blocks wanted {o['blocks_wanted']}, wall {o['wall_s']:.1f} s",
         f"blocks read from: gpu {h['gpu']:.1%}  cpu {h['cpu']:.1%}  redis (pulled, then read) {h['redis']:.1%}  "
         f"missed (recomputed) {h['miss']:.1%}",
-        f"time to get the cached prefix per request: p50 {p['p50']:.1f} ms  p90 {p['p90']:.1f} ms  "
+        f"time to get the cached prefix, per request that had one: p50 {p['p50']:.1f} ms  p90 {p['p90']:.1f} ms  "
         f"p99 {p['p99']:.1f} ms  ({p['mean_per_block']:.2f} ms per block read)",
         f"of which pulling from Redis: {o['redis_pulls']['requests']} requests waited {o['redis_pulls']['wait_s']:.2f} s "
         f"in all ({o['redis_pulls']['timed_out']} gave up after 1 s and recomputed the rest),",

@@ -28,7 +28,7 @@ from kvtier.config import default_runtime_dir
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
-from kvtier.offload import map_shares
+from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
 from kvtier.tiers.redis_blocks import redis_block_key
 
@@ -94,7 +94,8 @@ def library_logger():
 
 class Client:
     def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int | None = None) -> None:
+        copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         if copy_threads < 1:
             raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
         self._rdir = rdir
@@ -150,10 +151,10 @@ class Client:
 
     @classmethod
     async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 32,
-                      socket_timeout: float = 2.0, copy_threads: int = 2) -> "Client":
+                      socket_timeout: float = 2.0, copy_threads: int | None = None) -> "Client":
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
-        copy in `copy_threads` threads, off the caller's event loop."""
+        copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop."""
         rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
         desc, daemon_uid = _read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):

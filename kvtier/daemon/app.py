@@ -33,6 +33,7 @@ from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.staging import StagingSegments
 from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
+from kvtier.offload import default_copy_threads
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
@@ -152,7 +153,7 @@ class Daemon:
             for t in Tier:
                 worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
                                     off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
-                                    copy_threads=cfg.daemon.copy_threads,
+                                    copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
                                     pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
                 self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle,
                                                      worker.flush))

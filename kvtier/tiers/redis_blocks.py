@@ -17,11 +17,15 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from kvtier.errors import CorruptBlock
+from kvtier.offload import map_shares
 from kvtier.tiers.slots import checksum
 
 BLK_MAGIC = b"KVTBLK01"
 BLK_VERSION = 1
 BLK_HDR = struct.Struct("<8sHH32s32sQQ")
+# A batch of values this big is verified in threads, off the event loop (xxh3 releases the GIL).
+VERIFY_OFF_LOOP_BYTES = 256 << 10
+VERIFY_THREADS = 2
 
 
 def redis_block_key(pool: str, key: bytes) -> str:
@@ -122,9 +126,30 @@ class RedisBlocks:
         for k in keys:
             pipe.get(self.name(k))
         replies = await pipe.execute(raise_on_error=False)
+        values = [(k, raw) for k, raw in zip(keys, replies) if isinstance(raw, bytes)]
+
+        def check(share) -> list:  # pure (header parse, xxh3), so it may run in threads
+            out = []
+            for k, raw in share:
+                try:
+                    out.append(unpack_block(raw, self.fingerprint, k, self.block_bytes))
+                except CorruptBlock as e:
+                    out.append(e)
+            return out
+
+        if len(values) * self.block_bytes >= VERIFY_OFF_LOOP_BYTES:
+            checked = await map_shares(None, check, values, VERIFY_THREADS)
+        else:
+            checked = check(values)
+        verdicts = iter(checked)
         out: list[tuple[np.ndarray, int] | None | Exception] = []
         for k, raw in zip(keys, replies):
-            out.append(raw if raw is None or isinstance(raw, Exception) else await self._verified(k, raw))
+            if not isinstance(raw, bytes):
+                out.append(raw)  # absent (None) or the error Redis gave
+            elif isinstance(c := next(verdicts), CorruptBlock):
+                out.append(await self._drop_corrupt(k, raw, c))
+            else:
+                out.append(c)
         return out
 
     async def get(self, key: bytes) -> tuple[np.ndarray, int] | None:
@@ -138,13 +163,17 @@ class RedisBlocks:
         try:
             return unpack_block(raw, self.fingerprint, key, self.block_bytes)
         except CorruptBlock as e:
-            self.stats.corrupt += 1
-            self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
-            try:
-                await self._delete_if_same(keys=[self.name(key)], args=[hashlib.sha1(raw, usedforsecurity=False).hexdigest()])
-            except redis.exceptions.RedisError as de:
-                self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
-            return None
+            return await self._drop_corrupt(key, raw, e)
+
+    async def _drop_corrupt(self, key: bytes, raw: bytes, e: CorruptBlock) -> None:
+        """Count and log a corrupt value, and delete it unless it has been rewritten since."""
+        self.stats.corrupt += 1
+        self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
+        try:
+            await self._delete_if_same(keys=[self.name(key)], args=[hashlib.sha1(raw, usedforsecurity=False).hexdigest()])
+        except redis.exceptions.RedisError as de:
+            self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
+        return None
 
     async def delete(self, key: bytes) -> bool:
         return bool(await self.client.delete(self.name(key)))
