@@ -104,13 +104,22 @@ cpu_blocks = {cpu_blocks}
 """)
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(workdir / "n.sock"))
-        self.notify.settimeout(60)
         self.daemon = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli", "daemon", "--config", str(cfg)],
             env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n.sock")},
             stdout=open(workdir / "daemon.log", "w"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        while b"READY=1" not in self.notify.recv(4096):
-            pass
+        self.notify.settimeout(0.5)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if b"READY=1" in self.notify.recv(4096):
+                    break
+            except TimeoutError:
+                pass
+            if self.daemon.poll() is not None or time.monotonic() > deadline:
+                tail = (workdir / "daemon.log").read_text()[-2000:]
+                self.close()
+                raise RuntimeError(f"the daemon did not start (exit code {self.daemon.returncode}):\n{tail}")
 
     @staticmethod
     def wait_for(cond, what: str, timeout: float = 30) -> None:
