@@ -105,7 +105,6 @@ def summarize(tot: dict, tokens_per_s: float) -> dict:
         "prefix_ms": {"p50": 1000 * float(np.percentile(times, 50)), "p90": 1000 * float(np.percentile(times, 90)),
                       "p99": 1000 * float(np.percentile(times, 99)), "mean_per_block": 1000 * fetch_s / max(1, tot["local_hits"])},
         "redis_pulls": {"requests": tot["pulls"], "timed_out": tot["pull_timeouts"], "wait_s": tot["pull_s"]},
-        "local_read_s": fetch_s - tot["pull_s"],
         # A cached block saves time only if it arrives faster than its tokens are recomputed.
         "break_even_gbps": block_bytes * tokens_per_s / BLOCK_TOKENS / 1e9,
         "cost_model": {"prefill_tokens_per_s": tokens_per_s,
@@ -115,6 +114,10 @@ def summarize(tot: dict, tokens_per_s: float) -> dict:
         "recompute_avoided_s": avoided_s,
         "fetch_s": fetch_s,
         "net_saved_s": avoided_s - fetch_s,
+        # The same account for each source: local tiers (resident at lookup) and Redis pulls.
+        "local": {"avoided_s": (tot["gpu_at_lookup"] + tot["cpu_at_lookup"]) * BLOCK_TOKENS / tokens_per_s,
+                  "spent_s": fetch_s - tot["pull_s"]},
+        "redis": {"avoided_s": tot["via_redis"] * BLOCK_TOKENS / tokens_per_s, "spent_s": tot["pull_s"]},
         "wrong_blocks": tot["wrong_blocks"],
         "put_dropped": tot["put_dropped"],
     }
@@ -130,11 +133,13 @@ def render(o: dict) -> str:
         f"p99 {p['p99']:.1f} ms  ({p['mean_per_block']:.2f} ms per block read)",
         f"of which pulling from Redis: {o['redis_pulls']['requests']} requests waited {o['redis_pulls']['wait_s']:.2f} s "
         f"in all ({o['redis_pulls']['timed_out']} gave up after 1 s and recomputed the rest),",
-        f"and the rest ({o['local_read_s']:.2f} s) reading local tiers",
+        f"and the rest ({o['local']['spent_s']:.2f} s) reading local tiers",
         f"cost model: prefill at {o['cost_model']['prefill_tokens_per_s']:,.0f} tokens/s "
         f"({o['cost_model']['basis']}); a 2 MiB block of 16 tokens must arrive at "
         f"{o['break_even_gbps']:.1f} GB/s or more to beat recomputing it",
         f"prefill avoided: {o['hit_tokens']:,} tokens = {o['recompute_avoided_s']:.2f} s of GPU time, for "
         f"{o['fetch_s']:.2f} s spent getting them: net {o['net_saved_s']:+.2f} s",
+        f"  from local tiers: {o['local']['avoided_s']:.2f} s avoided for {o['local']['spent_s']:.2f} s reading; "
+        f"from Redis: {o['redis']['avoided_s']:.2f} s avoided for {o['redis']['spent_s']:.2f} s pulling",
         f"wrong blocks read: {o['wrong_blocks']}, puts dropped: {o['put_dropped']}",
     ])

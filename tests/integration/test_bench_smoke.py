@@ -57,5 +57,5 @@ def test_prefill_scenario_replays_the_trace_and_accounts_for_every_block(tmp_pat
     assert res["hit_tokens"] > 0 and res["recompute_avoided_s"] == res["hit_tokens"] / 25_000
     assert res["net_saved_s"] == res["recompute_avoided_s"] - res["fetch_s"]
     assert 0 < res["prefix_ms"]["p50"] <= res["prefix_ms"]["p99"]
-    assert 0 <= res["redis_pulls"]["wait_s"] <= res["fetch_s"] and res["local_read_s"] >= 0
+    assert 0 <= res["redis_pulls"]["wait_s"] <= res["fetch_s"] and res["local"]["spent_s"] >= 0
     assert "prefill avoided:" in run.stdout and "cost model:" in run.stdout
