@@ -34,7 +34,8 @@ Time is passed in (`now`), never read here.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
@@ -160,12 +161,19 @@ class Placement:
         cpu = self.tiers[Tier.CPU]
         parent = head_parent
         to_gpu = self.knobs.prefetch_to == Tier.GPU and bool(self.tiers[Tier.GPU].capacity)
+        spares: int | None = None  # clean blocks cpu may drop for these promotes (counted once)
         for key in keys:
             g, c = (self.tiers[t].get(key) for t in LOCAL)
             if g is None and c is None:
                 dst = Tier.GPU if to_gpu and self.room(Tier.GPU) > 0 else Tier.CPU
                 if all(key not in self._incoming[t] for t in LOCAL) and key not in self._wanted:
-                    if dst == Tier.CPU and self.room(Tier.CPU) <= 0:
+                    full = dst == Tier.CPU and self.room(Tier.CPU) <= 0
+                    if full:
+                        # A block Redis holds can make way at once (the worker drops it).
+                        if spares is None:
+                            spares = self._clean_spares(Tier.CPU, len(keys))
+                        full, spares = (False, spares - 1) if spares > 0 else (True, spares)
+                    if full:
                         # No slot to promote into yet: wait for one (shedding makes it) rather
                         # than send a promote that can only fail for want of room. At most half
                         # the tier waits, so one huge prefetch cannot flush the whole tier.
@@ -331,13 +339,23 @@ class Placement:
         with Redis before dropping the last local copy."""
         if t == Tier.REDIS:
             return None
+        return next(self._clean_victims(t), None)
+
+    def _clean_victims(self, t: Tier) -> Iterator[bytes]:
         idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]
         for e in idx.ready():
             # A block already leaving for the tier below counts: its pin is ours, not a reader's.
             if (e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower
                     and e.key not in self._leases and not self._extended_above(t, e.key)):
-                return e.key
-        return None
+                yield e.key
+
+    def _clean_spares(self, t: Tier, want: int) -> int:
+        """How many more blocks a full `t` can take now, at most `want`: the worker makes room
+        for each by dropping a block the next tier holds, beyond those that blocks already on
+        their way in will take."""
+        deficit = max(0, self.incoming(t) - self.tiers[t].free)
+        found = sum(1 for _ in itertools.islice(self._clean_victims(t), deficit + want))
+        return max(0, found - deficit)
 
     def _extended_above(self, t: Tier, key: bytes) -> bool:
         """Leaving cpu means leaving the node. A block whose extension is still resident in gpu

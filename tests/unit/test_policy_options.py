@@ -93,10 +93,10 @@ def test_reverting_a_copy_changes_nothing() -> None:
 
 def test_a_prefetch_into_a_full_cpu_waits_for_room_instead_of_failing() -> None:
     p = placement(gpu=0, cpu=4, high_watermark=0.9, low_watermark=0.5)
-    put(p, Tier.CPU, [10, 11, 12, 13])  # full, four unrelated cold blocks, Redis holds them
-    for i in (10, 11, 12, 13):
-        p.tiers[Tier.REDIS].add(k(i), None)
+    put(p, Tier.CPU, [10, 11, 12, 13])  # full of four unrelated cold blocks only cpu holds
     assert p.on_prefetch([k(1), k(2)], None, NOW) == [], "no slot: nothing is sent that must fail"
+    for i in (10, 11, 12, 13):  # written back to Redis meanwhile: now they may be evicted
+        p.tiers[Tier.REDIS].add(k(i), None)
     shed = p.pressure(NOW)  # the waiting blocks count as demand: 4 + 2 shed down to 2 (low watermark)
     assert [type(c) for c in shed] == [Evict] * 4 and {c.key for c in shed} == {k(i) for i in (10, 11, 12, 13)}
     for c in shed[:2]:  # two evictions complete
@@ -109,3 +109,18 @@ def test_a_prefetch_into_a_full_cpu_waits_for_room_instead_of_failing() -> None:
     q.on_prefetch([k(1)], None, NOW)
     q.tiers[Tier.CPU].remove(k(10))
     assert q.pressure(NOW + 10.0) == [], "a wait longer than the prefetch lease is given up"
+
+
+def test_a_prefetch_into_a_full_cpu_makes_way_with_blocks_redis_holds() -> None:
+    """A full cpu tier whose blocks Redis also holds need not wait for shedding: the worker drops
+    one of those for each promote. Blocks already on their way in claim their share first."""
+    p = placement(gpu=0, cpu=4)
+    put(p, Tier.CPU, [10, 11, 12, 13])
+    for i in (10, 11, 12, 13):
+        p.tiers[Tier.REDIS].add(k(i), None)
+    assert p.on_prefetch([k(1), k(2)], None, NOW) == [Promote(POOL, k(1), None, Tier.REDIS, Tier.CPU, -1, 0),
+                                                     Promote(POOL, k(2), k(1), Tier.REDIS, Tier.CPU, -1, 0)]
+    # Two of the four clean blocks are spoken for by those promotes: two more may come, one waits.
+    sent = p.on_prefetch([k(3), k(4), k(5)], None, NOW)
+    assert [c.key for c in sent] == [k(3), k(4)]
+    assert p.on_prefetch([k(6)], None, NOW) == [], "no clean block left: it waits"
