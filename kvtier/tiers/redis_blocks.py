@@ -33,7 +33,7 @@ def redis_block_key(pool: str, key: bytes) -> str:
     return f"kvtier:blk:{pool}:{key.hex()}"
 
 
-def pack_header(out: bytearray, fingerprint: bytes, key: bytes, length: int, csum: int) -> bytearray:
+def pack_header(out, fingerprint: bytes, key: bytes, length: int, csum: int):
     BLK_HDR.pack_into(out, 0, BLK_MAGIC, BLK_VERSION, 0, fingerprint, key, length, csum)
     return out
 
@@ -98,7 +98,7 @@ class RedisBlocks:
         value = pack_block(self.fingerprint, key, payload, csum)
         await self.client.set(self.name(key), value, ex=self.ttl_s or None)
 
-    async def put_many(self, items: list[tuple[bytes, bytearray]]) -> list[Exception | None]:
+    async def put_many(self, items: list[tuple[bytes, memoryview]]) -> list[Exception | None]:
         """SET packed values (`pack`) in one pipeline; per item, None or the error Redis gave.
         A connection-level failure is every item's error."""
         pipe = self.client.pipeline(transaction=False)
@@ -110,12 +110,13 @@ class RedisBlocks:
             return [e] * len(items)
         return [r if isinstance(r, Exception) else None for r in replies]
 
-    def new_value(self) -> tuple[bytearray, np.ndarray]:
-        """A value to fill in place: the bytearray, and a uint8 view of its payload part."""
-        value = bytearray(BLK_HDR.size + self.block_bytes)
-        return value, np.frombuffer(value, dtype=np.uint8, offset=BLK_HDR.size)
+    def new_value(self) -> tuple[memoryview, np.ndarray]:
+        """A value to fill in place, and a uint8 view of its payload part. Not zeroed (a
+        bytearray would be: a wasted pass over 2 MiB); the caller fills all of it."""
+        raw = np.empty(BLK_HDR.size + self.block_bytes, dtype=np.uint8)
+        return memoryview(raw), raw[BLK_HDR.size:]
 
-    def seal(self, value: bytearray, key: bytes, csum: int) -> bytearray:
+    def seal(self, value: memoryview, key: bytes, csum: int) -> memoryview:
         """Write the header of a value filled through `new_value`."""
         return pack_header(value, self.fingerprint, key, self.block_bytes, csum)
 

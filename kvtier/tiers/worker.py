@@ -489,7 +489,7 @@ def _fill_from_staging(stores: list[_LocalStore]) -> list[int | None | OSError]:
 class _RedisWrite:
     rt: PoolRuntime
     ev: Store | Demote | Copy
-    value: bytearray  # header + payload, ready to SET
+    value: memoryview  # header + payload, ready to SET
     t0: float  # when the command was received
 
 
