@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.processes import die_with_parent
+from kvtier.processes import die_with_parent, stop_processes
 
 LLAMA = dict(model="llama3-8b", layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype="bfloat16")
 TINY = dict(model="bench-tiny", layers=2, kv_heads=2, head_dim=32, block_tokens=16, dtype="float16")
@@ -136,13 +135,8 @@ cpu_blocks = {cpu_blocks}
             return {}
 
     def close(self) -> None:
-        for p in (self.daemon, self.redis):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes([self.daemon], 30)  # the daemon first: it still talks to the redis-server
+        stop_processes([self.redis], 30)
         self.notify.close()
 
 

@@ -9,7 +9,6 @@ handed to `load_config`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
-from kvtier.processes import die_with_parent
+from kvtier.processes import die_with_parent, stop_processes
 
 READY_TIMEOUT_S = 30.0
 
@@ -73,7 +73,7 @@ def request_tokens(prompts: list[list[int]], req: dict) -> list[int]:
 
 def _requests(args, prompts: list[list[int]]):
     """This worker's requests: its share of the trace file, or an endless stream from its seed."""
-    if getattr(args, "trace", None):
+    if args.trace:
         trace = json.loads(Path(args.trace).read_text())
         yield from trace[args.share::args.shares]
         return
@@ -243,20 +243,8 @@ def run_demo(args) -> int:
         # A second Ctrl-C (or TERM) must not cut the cleanup short and leave processes behind.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(15)
-            except subprocess.TimeoutExpired:
-                w.kill()
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_processes(workers, 15)
+        stop_processes([daemon], 30)
         notify.close()
     code = code or (daemon.returncode or 0)
     code = _summary(rdir, len(workers)) or code

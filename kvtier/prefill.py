@@ -25,7 +25,7 @@ import numpy as np
 from kvtier.bench import LLAMA, Env
 from kvtier.demo import _progress, make_trace, shared_prompts, sum_reports
 from kvtier.layout import BlockLayout
-from kvtier.processes import die_with_parent
+from kvtier.processes import die_with_parent, stop_processes
 
 # The cost model's default: Llama-3-8B prefill costs about 2 x 8e9 FLOP per token; a GPU that
 # sustains 400 TFLOP/s of bf16 in prefill then does about 25,000 tokens/s.
@@ -71,19 +71,16 @@ def _replay(env: Env, work: Path, trace: Path, args) -> tuple[list[dict], float]
         env=env_vars, preexec_fn=die_with_parent) for i in range(args.clients)]
     t0 = time.monotonic()
     try:
-        while any(w.poll() is None for w in workers):
+        while alive := [w for w in workers if w.poll() is None]:
             if time.monotonic() - t0 > args.timeout:
                 raise RuntimeError(f"the clients did not finish the trace in {args.timeout:.0f} s")
             try:
-                workers[0].wait(timeout=2.0) if workers[0].poll() is None else time.sleep(2.0)
+                alive[0].wait(timeout=2.0)  # a progress line every 2 s until all have finished
             except subprocess.TimeoutExpired:
                 pass
             print(_progress(env.stats(), t0), flush=True)
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
+        stop_processes(workers, 5)  # only those still running: on a timeout or an error
     failed = [i for i, w in enumerate(workers) if w.returncode != 0]
     if failed:
         raise RuntimeError(f"clients {failed} failed (exit codes {[workers[i].returncode for i in failed]})")

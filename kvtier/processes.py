@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 
 PR_SET_PDEATHSIG = 1
 
@@ -26,3 +27,16 @@ def pid_alive(pid: object) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM every one still running, then wait up to `timeout` each; SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -159,7 +159,7 @@ class ClientPool:
     def take_slots(self, keys: list[bytes], parent: bytes | None) -> list[StagedBlock]:
         """Take free staging slots for the leading keys (stops at the first with none) and mark
         each as being written (odd gen), so no other put takes it. `gen` is that odd gen until
-        `fill_slots` has written the block."""
+        `fill_slot` has written the block."""
         table = self._ensure_staging()
         taken: list[StagedBlock] = []
         for key in keys:
@@ -198,8 +198,8 @@ class ClientPool:
         reusable, including one left half written (odd gen)."""
         if self.staging is not None:
             for b in staged:
-                if self.staging.gen(b.slot) % 2:
-                    self.staging.end_write(b.slot, self.staging.gen(b.slot), EMPTY_KEY, 0, 0, Flags.FREE)
+                if (g := self.staging.gen(b.slot)) % 2:
+                    self.staging.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.FREE)
                 else:
                     self.staging.set_flags(b.slot, Flags.FREE)
 

@@ -177,9 +177,7 @@ class TierWorker:
     async def _queue_store(self, rt: PoolRuntime, dst: LocalTier, ev: Store, staging, t0: float) -> Fact | None:
         """Reserve the slot now; the bytes are read from staging straight into it at the next
         drain, together with the batch's other stores, in one thread hop (`_drain_stores`)."""
-        e = dst.begin(ev.key, ev.parent)
-        if e is None and await self._make_room(rt, dst):
-            e = dst.begin(ev.key, ev.parent)
+        e = await self._reserve(rt, dst, ev.key, ev.parent)
         if e is None:
             self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
             return self._failed(rt, ev, "no_room", "no free slot and nothing clean to evict", dropped=True)
@@ -189,11 +187,7 @@ class TierWorker:
         return None
 
     async def _drain_stores(self, stores: list["_LocalStore"]) -> None:
-        if self.tier == Tier.CPU and self.failpoints.due("shm_torn"):
-            s = stores[0]  # die halfway through a copy: the slot stays odd, half written
-            s.dst.table.begin_write(s.entry.slot)
-            s.dst.table.payload(s.entry.slot)[: s.rt.layout.block_bytes // 2] = 0xA5
-            self.failpoints.die()
+        self._maybe_tear(stores[0].dst, stores[0].entry)
         try:
             nbytes = sum(s.rt.layout.block_bytes for s in stores)
             if nbytes < self.off_loop_bytes:
@@ -342,15 +336,10 @@ class TierWorker:
                            data: np.ndarray, csum: int):
         if (have := dst.index.get(key)) is not None:
             return have
-        e = dst.begin(key, parent)
-        if e is None and await self._make_room(rt, dst):
-            e = dst.begin(key, parent)
+        e = await self._reserve(rt, dst, key, parent)
         if e is None:
             return None
-        if self.tier == Tier.CPU and self.failpoints.due("shm_torn") and dst.device_payload is None:
-            dst.table.begin_write(e.slot)  # die halfway through the copy: the slot stays odd
-            dst.table.payloads()[e.slot, : data.nbytes // 2] = data.reshape(-1).view(np.uint8)[: data.nbytes // 2]
-            self.failpoints.die()
+        self._maybe_tear(dst, e)
         try:
             await self._off_loop(data.nbytes, dst.fill, e, data, csum)
         except BaseException:
@@ -358,6 +347,20 @@ class TierWorker:
             raise
         self.failpoints.reached("shm_written")
         return dst.finish(e)
+
+    async def _reserve(self, rt: PoolRuntime, dst: LocalTier, key: bytes, parent: bytes | None) -> Entry | None:
+        """A PENDING slot for `key`, making room once if the tier is full; None when there is none."""
+        e = dst.begin(key, parent)
+        if e is None and await self._make_room(rt, dst):
+            e = dst.begin(key, parent)
+        return e
+
+    def _maybe_tear(self, dst: LocalTier, e: Entry) -> None:
+        """The `shm_torn` failpoint: die halfway through a cpu-arena write, the slot left odd."""
+        if self.tier == Tier.CPU and dst.device_payload is None and self.failpoints.due("shm_torn"):
+            dst.table.begin_write(e.slot)
+            dst.table.payload(e.slot)[: dst.block_bytes // 2] = 0xA5
+            self.failpoints.die()
 
     async def _off_loop(self, nbytes: int, fn, *args):
         """Run a block copy in a thread when it is big enough to stall the loop (waited for even
@@ -414,7 +417,7 @@ class TierWorker:
         if self.tier == Tier.REDIS:
             try:
                 await rt.redis.delete(ev.key)
-            except redis.exceptions.RedisError as e:
+            except redis.exceptions.RedisError:
                 rt.redis.stats.errors += 1
                 raise  # leave the command pending: it is retried, then dead-lettered
             rt.placement.tiers[Tier.REDIS].remove(ev.key)

@@ -3,14 +3,12 @@ serving, and the blocks it already holds stay intact."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 

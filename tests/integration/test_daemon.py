@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-import redis
 import torch
 
 from kvtier.bus.events import Tier
