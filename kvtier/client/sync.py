@@ -13,21 +13,23 @@ from kvtier.keys import BlockKey
 
 
 class SyncClient:
-    def __init__(self, runtime_dir=None, *, staging_blocks: int = 32, timeout: float = 30.0) -> None:
+    def __init__(self, runtime_dir=None, *, staging_blocks: int = 32, timeout: float = 30.0,
+                 socket_timeout: float = 2.0) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-client", daemon=True)
         self._thread.start()
         self._timeout = timeout
         try:
-            self._client: Client = self._call(Client.connect(runtime_dir, staging_blocks=staging_blocks))
+            self._client: Client = self._call(Client.connect(runtime_dir, staging_blocks=staging_blocks,
+                                                               socket_timeout=socket_timeout))
         except BaseException:
             self._stop_loop()
             raise
 
-    def _call(self, coro):
+    def _call(self, coro, timeout: float | None = None):
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return fut.result(self._timeout)
+            return fut.result(self._timeout if timeout is None else timeout)
         except BaseException:
             fut.cancel()  # timed out or interrupted: do not leave the call running behind our back
             raise
@@ -39,17 +41,24 @@ class SyncClient:
     def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup:
         return self._client.lookup(pool, keys)
 
-    def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
-        return self._call(self._client.locate(pool, keys))
+    # `timeout` bounds one call (default: the constructor's); TimeoutError cancels the call.
+    def locate(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> Lookup:
+        return self._call(self._client.locate(pool, keys), timeout)
 
-    def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
-        return self._call(self._client.get(pool, keys, out))
+    def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, timeout: float | None = None) -> int:
+        return self._call(self._client.get(pool, keys, out), timeout)
 
-    def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None) -> PutResult:
-        return self._call(self._client.put(pool, keys, kv, parent=parent))
+    def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
+            timeout: float | None = None) -> PutResult:
+        return self._call(self._client.put(pool, keys, kv, parent=parent), timeout)
 
-    def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
-        self._call(self._client.prefetch(pool, keys, parent=parent))
+    def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
+                 timeout: float | None = None) -> None:
+        self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
+
+    def pool(self, name: str):
+        """The mapped pool (its layout, block shape and dtype); UnknownPool if not served."""
+        return self._client.pool(name)
 
     def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
         return self._call(self._client.wait_resident(pool, keys, timeout))

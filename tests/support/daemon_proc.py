@@ -31,8 +31,10 @@ cpu_blocks = {cpu}
 
 
 def write_config(directory: Path, *, node: str, redis_url: str, gpu: int = 8, cpu: int = 16,
-                 pool: str = "t", persist_arena: bool = False, extra: str = "") -> Path:
-    """A daemon config for tests: small blocks (8 KiB), fast bus timings."""
+                 pool: str = "t", persist_arena: bool = False, extra: str = "",
+                 pools_toml: str | None = None) -> Path:
+    """A daemon config for tests: small blocks (8 KiB), fast bus timings. `pools_toml` replaces
+    the default test pool with the caller's [pools.*] tables (engine tests size their own)."""
     path = directory / f"{node}.toml"
     path.write_text(f"""
 [node]
@@ -62,7 +64,7 @@ off_loop_copy_bytes = 0  # every copy off the event loop: the thread path is the
 [metrics]
 listen = "127.0.0.1:0"  # a free port: test daemons run side by side
 stream_sample_s = 0.2
-""" + POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu))
+""" + (pools_toml if pools_toml is not None else POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu)))
     return path
 
 

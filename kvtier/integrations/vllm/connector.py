@@ -1,0 +1,179 @@
+"""`KvtierConnector`: a vLLM v1 KV connector backed by the node's kvtier daemon.
+
+Enable it with no vLLM patch (docs/integrations/vllm.md has the whole story):
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pool": "llama3-8b", "runtime_dir": "/run/kvtier"}}'
+
+This module is the thin adapter: vLLM's names and types in, kvtier's planner (scheduler
+process) and mover (worker processes) out. It is the only place that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
+from kvtier.integrations.vllm.connector_link import DaemonLink
+from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
+from kvtier.integrations.vllm.connector_worker import WorkerMover
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """Block counts since the last report, summed over workers (vLLM logs and exports them)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtierConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> KeyNamespace:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvtier's connector supports models with one KV-cache group, this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    model = vllm_config.model_config
+    served = model.served_model_name
+    return KeyNamespace(
+        model=str(served[0] if isinstance(served, (list, tuple)) else served or model.model),
+        engine_version=".".join(vllm.__version__.split(".")[:2]),
+        block_size=int(spec.block_size),
+        layers=len(groups[0].layer_names),
+        kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        kv_layout=str(getattr(kv_cache_config, "kv_cache_layout", "") or ""),
+        device=str(vllm_config.device_config.device_type),
+    )
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        settings = ConnectorSettings.from_extra_config(cfg.kv_connector_extra_config)
+        self._link = DaemonLink(settings.runtime_dir, settings.staging_blocks, settings.retry_s)
+        self._planner: SchedulerPlanner | None = None
+        self._mover: WorkerMover | None = None
+        self._load_errors: set[int] = set()
+        self._reported: dict[str, int] = {}
+        try:
+            ns = key_namespace(vllm_config, kv_cache_config)
+        except ValueError as e:
+            log.error("kvtier: connector disabled, every lookup is a miss: %s", e)
+            return
+        par = vllm_config.parallel_config
+        tp_size, pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            if cfg.kv_load_failure_policy == "fail":
+                log.warning("kvtier: kv_load_failure_policy is 'fail': a block evicted between lookup and load "
+                            "fails its request; set it to 'recompute' to recompute such blocks instead")
+            ranks = [((t, tp_size), (p, pp_size)) for t in range(tp_size) for p in range(pp_size)]
+            self._planner = SchedulerPlanner(settings, ns, self._link, ranks,
+                                             load=cfg.is_kv_consumer, save=cfg.is_kv_producer)
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            tp = (get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size)
+            pp = (get_pp_group().rank_in_group if pp_size > 1 else 0, pp_size)
+            self._mover = WorkerMover(settings, ns, self._link, tp, pp, kv_cache_config.kv_cache_groups[0].layer_names)
+
+    # --- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._planner is None:
+            return 0, False
+        return self._planner.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self._planner is not None:
+            self._planner.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._planner is None:
+            return KvtierConnectorMetadata()
+        plan = self._planner.build(scheduler_output)
+        return KvtierConnectorMetadata(plan.loads, plan.saves)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._planner is not None:
+            self._planner.finished(request.request_id)
+        return False, None  # saves were staged when the blocks were computed: nothing holds them
+
+    # --- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        if self._mover is not None:
+            self._mover.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._mover is not None and isinstance(meta, KvtierConnectorMetadata) and meta.loads:
+            self._load_errors |= self._mover.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv has already loaded every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # a kvtier block spans all layers: wait_for_save stages it once they are all computed
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._mover is not None and isinstance(meta, KvtierConnectorMetadata) and meta.saves:
+            self._mover.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        now = self._link.counters.as_dict()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        return KvtierConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, never an error
+
+    def shutdown(self) -> None:
+        self._link.close()

@@ -1,0 +1,97 @@
+"""The connector's settings (from `kv_connector_extra_config`) and the key namespace. No vLLM imports.
+
+Block keys are kvtier's own chain (`kvtier.keys`) over the request's token ids, rooted in the
+pool's layout fingerprint, a salt and the LoRA name. The salt commits, length-prefixed, to:
+- what makes the bytes of a page mean something: the engine, the attention backend's page shape
+  and dtype, vLLM's KV-cache layout name, the device type and the block size;
+- which slice of the model this rank holds: tensor- and pipeline-parallel rank and size (each
+  rank keeps only its own heads or layers, so ranks never share a key);
+- the request's `cache_salt` (tenants with different salts never share a block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SALT_DOMAIN = b"kvtier/vllm-connector/v1"
+
+
+class ConnectorConfigError(ValueError):
+    """A `kv_connector_extra_config` value is missing or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    pool: str  # the kvtier pool that holds this model's blocks
+    runtime_dir: str | None = None  # where the daemon's descriptor is (None: kvtier's default)
+    lookup_timeout_s: float = 0.02  # bound on the scheduler's one Redis round trip per request
+    redis_wait_s: float = 1.0  # how long a request may wait for blocks prefetched from Redis
+    retry_s: float = 5.0  # after the daemon was unreachable, how long until the next try
+    staging_blocks: int = 64  # the client's staging slots (puts beyond them are dropped)
+    call_timeout_s: float = 5.0  # bound on one worker-side get or put
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        errors: list[str] = []
+        pool = extra.pop("pool", None)
+        if not isinstance(pool, str) or not pool:
+            errors.append("'pool' (the kvtier pool name) is required")
+        runtime_dir = extra.pop("runtime_dir", None)
+        if runtime_dir is not None and not isinstance(runtime_dir, str):
+            errors.append("'runtime_dir' must be a string")
+        values: dict[str, Any] = {}
+        for name, ms_key, lo in (("lookup_timeout_s", "lookup_timeout_ms", 1), ("redis_wait_s", "redis_wait_ms", 0),
+                                 ("retry_s", "retry_ms", 1), ("call_timeout_s", "call_timeout_ms", 1)):
+            if ms_key in extra:
+                v = extra.pop(ms_key)
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v < lo:
+                    errors.append(f"'{ms_key}' must be a number >= {lo}")
+                else:
+                    values[name] = v / 1000.0
+        if "staging_blocks" in extra:
+            v = extra.pop("staging_blocks")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                errors.append("'staging_blocks' must be an integer >= 1")
+            else:
+                values["staging_blocks"] = v
+        if extra:
+            errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, "
+                          "redis_wait_ms, retry_ms, call_timeout_ms, staging_blocks)")
+        if errors:
+            raise ConnectorConfigError("kvtier connector kv_connector_extra_config: " + "; ".join(errors))
+        return cls(pool=pool, runtime_dir=runtime_dir, **values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """What a vLLM block's bytes mean, from facts the scheduler and every worker share."""
+
+    model: str
+    engine_version: str  # vLLM's major.minor: page layouts may change between releases
+    block_size: int  # tokens per vLLM block
+    layers: int  # attention layers of the model's one KV-cache group
+    kv_heads: int  # per rank
+    head_size: int
+    dtype: str  # torch dtype name without "torch."
+    kv_layout: str  # vLLM's KVCacheConfig.kv_cache_layout
+    device: str  # "cpu", "cuda", ...
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode()
+    return struct.pack("<I", len(raw)) + raw
+
+
+def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None) -> bytes:
+    """The salt for one rank's keys, tp = (rank, size) and pp = (rank, size), and one cache_salt."""
+    h = hashlib.sha256(SALT_DOMAIN)
+    for f in (ns.model, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
+        h.update(_field(f))
+    h.update(struct.pack("<8I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size, *tp, *pp))
+    h.update(b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt))
+    return h.digest()

@@ -1,0 +1,201 @@
+"""The connector's scheduler half: how much of a prompt kvtier holds, and which blocks to move.
+
+Runs in vLLM's scheduler process, on its loop, so it never waits long:
+- a lookup in the node's shared-memory directory costs no I/O;
+- Redis is asked once per request, bounded by `lookup_timeout_s`;
+- blocks that only Redis holds are prefetched into this node, and the request is held back
+  (`None`: "ask again next step") until they are resident or `redis_wait_s` has passed; then
+  it is scheduled with whatever is resident.
+Loads are synchronous for vLLM (the worker reads them before the forward pass). Saves are
+planned as blocks of the prompt become computed and staged by the worker in the same step, so
+a finished request's blocks are never held back (`request_finished` returns False).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.connector_link import DaemonLink
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTransfer:
+    """Blocks [first, first + len(block_ids)) of one request's prompt, and where they go in vLLM.
+    Workers recompute the keys from the tokens with their own rank's salt."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # the prompt's tokens up to the last block moved
+    cache_salt: str | None
+    lora_name: str | None
+    first: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TransferPlan:
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prompt: tuple[int, ...]
+    cache_salt: str | None
+    lora_name: str | None
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # leading prompt blocks already in kvtier or handed to it
+    load: tuple[int, int] | None = None  # blocks [first, end) to load before the next forward
+    local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us
+    keys: list[list[bytes]] | None = None  # per rank, as far as hashed
+    asked_redis: bool = False
+    waiting_since: float | None = None  # prefetch from Redis asked at this time
+    redis_target: int = 0
+
+
+class SchedulerPlanner:
+    """Pure bookkeeping plus lookups through the link; vLLM types are read duck-typed."""
+
+    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: DaemonLink,
+                 ranks: Sequence[tuple[tuple[int, int], tuple[int, int]]], *, load: bool, save: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.s = settings
+        self.ns = ns
+        self.link = link
+        self.ranks = list(ranks)  # every (tp, pp) pair: a block counts only if every rank has it
+        self.do_load, self.do_save = load, save
+        self.clock = clock
+        self.block_size = ns.block_size
+        self.reqs: dict[str, _Tracked] = {}
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def _track(self, request) -> _Tracked:
+        t = self.reqs.get(request.request_id)
+        if t is None:
+            lora = getattr(request, "lora_request", None)
+            t = _Tracked(tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
+                         None if lora is None else str(lora.lora_name))
+            self.reqs[request.request_id] = t
+        return t
+
+    def _keys(self, client, t: _Tracked, n_blocks: int) -> list[list[bytes]]:
+        """Each rank's keys for the first n_blocks blocks (hashed once per request)."""
+        if t.keys is None or len(t.keys[0]) < n_blocks:
+            tokens = t.prompt[: n_blocks * self.block_size]
+            t.keys = [client.block_keys(self.s.pool, tokens, salt=rank_salt(self.ns, tp, pp, t.cache_salt),
+                                        lora_id=t.lora_name) for tp, pp in self.ranks]
+        return [k[:n_blocks] for k in t.keys]
+
+    # --- get_num_new_matched_tokens --------------------------------------------------------------
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond `num_computed_tokens` that kvtier can load now; None: ask again later."""
+        t = self._track(request)
+        t.local_tokens = num_computed_tokens
+        if not self.do_load or getattr(request, "mm_features", None) or not t.prompt:
+            return 0  # multimodal placeholders are not the content: their keys would lie
+        # vLLM must compute at least one token itself, so the last prompt token is never loaded.
+        max_blocks = (len(t.prompt) - 1) // self.block_size
+        if max_blocks * self.block_size <= num_computed_tokens:
+            return 0
+        found = self.link.call("lookup", lambda c: self._resident(c, t, max_blocks))
+        if found is None:
+            return 0
+        local, keys = found
+        if t.waiting_since is not None:  # a prefetch from Redis is on its way
+            if local < t.redis_target and self.clock() - t.waiting_since < self.s.redis_wait_s:
+                return None
+            t.waiting_since = None
+        elif local < max_blocks and self.s.redis_wait_s > 0 and self._prefetch(t, keys, local):
+            return None
+        t.saved = max(t.saved, local)
+        return max(0, local * self.block_size - num_computed_tokens)
+
+    def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]]]:
+        """Leading blocks resident on this node for every rank, and each rank's keys."""
+        keys = self._keys(client, t, max_blocks)
+        local = max_blocks
+        for k in keys:
+            local = min(local, client.lookup(self.s.pool, k[:local]).length)
+        return local, keys
+
+    def _prefetch(self, t: _Tracked, keys: list[list[bytes]], local: int) -> bool:
+        """Ask Redis (one bounded round trip per rank, once per request) how far each rank's
+        chain goes on; if every rank reaches past this node's prefix, prefetch the missing
+        blocks and say so."""
+        if t.asked_redis:
+            return False
+        t.asked_redis = True
+        timeout = self.s.lookup_timeout_s
+        starts: list[int] = []
+        end = len(keys[0])
+        for k in keys:
+            found = self.link.call("redis lookup", lambda c, k=k: c.locate(self.s.pool, k, timeout=timeout))
+            if found is None:
+                return False
+            starts.append(found.length)
+            end = min(end, found.length + found.redis_length)
+        if end <= local:
+            return False
+        for k, start in zip(keys, starts):
+            if start < end and not self.link.call("prefetch", lambda c, k=k, start=start: c.prefetch(
+                    self.s.pool, k[start:end], parent=k[start - 1] if start else None, timeout=timeout) or True):
+                return False
+        t.redis_target = end
+        t.waiting_since = self.clock()
+        self.link.counters.redis_blocks += end - local
+        return True
+
+    # --- update_state_after_alloc / build_connector_meta ---------------------------------------
+
+    def after_alloc(self, request, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        t = self._track(request)
+        first = t.local_tokens // self.block_size  # vLLM loads right after the local hit it showed us
+        t.load = (first, first + num_external_tokens // self.block_size)
+        self.link.counters.hit_blocks += t.load[1] - first
+
+    def build(self, scheduler_output) -> TransferPlan:
+        plan = TransferPlan()
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self.reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            self._plan(plan, new.req_id, t, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self.reqs.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                t.block_ids.extend(new_ids[0])
+            self._plan(plan, req_id, t, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        return plan
+
+    def _plan(self, plan: TransferPlan, req_id: str, t: _Tracked, computed_after_step: int) -> None:
+        bs = self.block_size
+        if t.load is not None:
+            first, end = t.load
+            t.load = None
+            if end > first and len(t.block_ids) >= end:
+                plan.loads.append(BlockTransfer(req_id, t.prompt[: end * bs], t.cache_salt, t.lora_name, first,
+                                                tuple(t.block_ids[first:end])))
+                t.saved = max(t.saved, end)
+        if not self.do_save:
+            return
+        upto = min(min(computed_after_step, len(t.prompt)) // bs, len(t.block_ids))
+        if upto > t.saved:
+            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name, t.saved,
+                                            tuple(t.block_ids[t.saved:upto])))
+            t.saved = upto
+
+    def finished(self, req_id: str) -> None:
+        self.reqs.pop(req_id, None)

@@ -1,0 +1,148 @@
+"""The connector's worker half: moves blocks between vLLM's paged KV caches and kvtier.
+
+Runs in each vLLM worker process (one per tensor/pipeline-parallel rank), keyed by that rank's
+salt. Loads finish before the forward pass that needs them (`start_load_kv`); saves are staged
+after it (`wait_for_save`), from every layer at once, since a kvtier block holds all of this
+rank's layers. A load that reads fewer blocks than planned reports the rest as failed block ids:
+vLLM then recomputes them (or fails the request, if `kv_load_failure_policy` says "fail").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, page_shape, scatter_blocks
+from kvtier.integrations.vllm.connector_link import DaemonLink
+from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+class LayoutMismatch(ValueError):
+    """vLLM's pages do not fit the configured kvtier pool; the message says how to fix the pool."""
+
+
+class WorkerMover:
+    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: DaemonLink,
+                 tp: tuple[int, int], pp: tuple[int, int], layer_names: Sequence[str]) -> None:
+        self.s = settings
+        self.ns = ns
+        self.link = link
+        self.tp, self.pp = tp, pp
+        self.layer_names = list(layer_names)
+        self.caches: list[torch.Tensor] = []
+        self.page: tuple[int, ...] = ()
+        self._checked: object | None = None  # the client whose pool layout was last checked
+        self.disabled: str | None = None  # why every transfer is a miss
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Keep this rank's attention layers in model order (the order is part of the block)."""
+        names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
+        self.caches = [kv_caches[n] for n in names]
+        self.page = page_shape(self.caches)
+        log.info("kvtier: %d layers registered, page %s %s on %s", len(self.caches), self.page,
+                 self.caches[0].dtype, self.caches[0].device)
+
+    def _pool(self, client):
+        """The pool, once checked against vLLM's pages; LayoutMismatch disables the connector."""
+        pool = client.pool(self.s.pool)
+        if self._checked is client:
+            return pool
+        dtype = str(self.caches[0].dtype).removeprefix("torch.")
+        page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
+        want = len(self.caches) * page_bytes
+        problems = []
+        if pool.layout.block_tokens != self.ns.block_size:
+            problems.append(f"block_tokens {pool.layout.block_tokens} != vLLM block_size {self.ns.block_size}"
+                            " (one vLLM block must be exactly one kvtier block)")
+        if pool.layout.dtype != dtype:
+            problems.append(f"dtype {pool.layout.dtype} != vLLM's KV dtype {dtype}")
+        if pool.block_bytes != want:
+            problems.append(f"block bytes {pool.block_bytes} != {len(self.caches)} layers x {page_bytes} page bytes")
+        if problems:
+            raise LayoutMismatch(
+                f"kvtier pool {self.s.pool!r} does not fit this vLLM rank: {'; '.join(problems)}. Configure it as "
+                f"layers = {len(self.caches)}, kv_heads = {self.ns.kv_heads}, head_dim = {self.ns.head_size}, "
+                f"block_tokens = {self.ns.block_size}, dtype = \"{dtype}\"")
+        self._checked = client
+        return pool
+
+    def _usable(self, client) -> object | None:
+        if self.disabled is not None or not self.caches:
+            return None
+        try:
+            return self._pool(client)
+        except LayoutMismatch as e:
+            self.disabled = str(e)
+            log.error("kvtier: connector disabled, every lookup is a miss: %s", e)
+            self.link.failed("layout", e)
+            return None
+
+    def _keys(self, client, tr: BlockTransfer) -> list[bytes]:
+        salt = rank_salt(self.ns, self.tp, self.pp, tr.cache_salt)
+        return client.block_keys(self.s.pool, tr.token_ids, salt=salt, lora_id=tr.lora_name)
+
+    def _buffer(self, pool, n: int) -> torch.Tensor:
+        return torch.empty((n, *pool.shape), dtype=pool.dtype, device=self.caches[0].device)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
+
+    # --- loads -----------------------------------------------------------------------------------
+
+    def load(self, transfers: Sequence[BlockTransfer]) -> set[int]:
+        """Read each transfer's blocks into vLLM's pages. Returns the block ids not loaded."""
+        failed: set[int] = set()
+        for tr in transfers:
+            n = self.link.call("load", lambda c, tr=tr: self._load_one(c, tr))
+            n = 0 if n is None else n
+            self.link.counters.loaded_blocks += n
+            if n < len(tr.block_ids):
+                self.link.counters.load_failed_blocks += len(tr.block_ids) - n
+                failed.update(tr.block_ids[n:])
+                log.warning("kvtier: request %s loaded %d of %d planned blocks; vLLM recomputes the rest",
+                            tr.req_id, n, len(tr.block_ids))
+        return failed
+
+    def _load_one(self, client, tr: BlockTransfer) -> int:
+        pool = self._usable(client)
+        if pool is None:
+            return 0
+        keys = self._keys(client, tr)[tr.first:tr.first + len(tr.block_ids)]
+        buf = self._buffer(pool, len(keys))
+        n = client.get(self.s.pool, keys, buf, timeout=self.s.call_timeout_s)
+        if n:
+            scatter_blocks(block_view(buf, len(self.caches), self.page), self.caches, self._ids(tr.block_ids[:n]))
+        return n
+
+    # --- saves -----------------------------------------------------------------------------------
+
+    def save(self, transfers: Sequence[BlockTransfer]) -> None:
+        for tr in transfers:
+            self.link.call("save", lambda c, tr=tr: self._save_one(c, tr))
+
+    def _save_one(self, client, tr: BlockTransfer) -> None:
+        pool = self._usable(client)
+        if pool is None:
+            return
+        c = self.link.counters
+        keys = self._keys(client, tr)
+        todo = keys[tr.first:tr.first + len(tr.block_ids)]
+        skip = client.lookup(self.s.pool, todo).length  # already on this node: nothing to hand over
+        c.save_skipped_blocks += skip
+        todo, ids = todo[skip:], tr.block_ids[skip:]
+        if not todo:
+            return
+        start = tr.first + skip
+        buf = self._buffer(pool, len(todo))
+        gather_blocks(self.caches, self._ids(ids), block_view(buf, len(self.caches), self.page))
+        res = client.put(self.s.pool, todo, buf, parent=keys[start - 1] if start else None,
+                         timeout=self.s.call_timeout_s)
+        c.saved_blocks += res.staged
+        c.save_dropped_blocks += res.dropped

@@ -1,0 +1,101 @@
+"""A real vLLM engine driven line by line, for the connector's tests and `kvtier bench --vllm`.
+
+    python -m kvtier.tools.vllm_engine make-model DIR
+        saves a tiny random Llama (2 layers, 2 KV heads of 32 dims, float32) with a WordLevel
+        tokenizer: no hub download; starts a CPU `vllm.LLM` in about 20 s.
+    python -m kvtier.tools.vllm_engine serve --model DIR [--kv-transfer-config JSON] [--block-size 32]
+        starts `vllm.LLM`, prints `KVTIER-READY`, then reads one JSON request a line from stdin:
+        {"prompt": [token ids], "max_tokens": 8, "cache_salt": "..."} and answers each with
+        `KVTIER-RESULT {"tokens": [...], "cached": n, "seconds": s}` (the generate call's wall
+        time: with max_tokens=1, the time to first token). vLLM's own logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+# What a kvtier pool for the tiny model must say (vLLM's CPU pages: 2 layers x 16 KiB per block).
+TINY_POOL = dict(layers=2, kv_heads=2, head_dim=32, block_tokens=32, dtype="float32")
+
+
+def make_model(path: str | Path, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, TINY["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2, torch_dtype="float32"))
+    model.save_pretrained(path)
+    return path
+
+
+def serve(args: argparse.Namespace) -> None:
+    # Answers go to the real stdout; everything else that writes to fd 1 (vLLM logs to stdout)
+    # is sent to stderr, so a driver reads nothing but answers.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def answer(line: str) -> None:
+        answers.write(line + "\n")
+        answers.flush()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(**json.loads(args.kv_transfer_config)) if args.kv_transfer_config else None
+    llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
+              enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=4,
+              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0)
+    answer("KVTIER-READY")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        prompt = {"prompt_token_ids": req["prompt"]}
+        if req.get("cache_salt"):
+            prompt["cache_salt"] = req["cache_salt"]
+        params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        answer("KVTIER-RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids),
+                                              "cached": int(out.num_cached_tokens or 0), "seconds": dt}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvtier.tools.vllm_engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-model")
+    mk.add_argument("dir")
+    sv = sub.add_parser("serve")
+    sv.add_argument("--model", required=True)
+    sv.add_argument("--kv-transfer-config", default="")
+    sv.add_argument("--block-size", type=int, default=32)
+    sv.add_argument("--max-model-len", type=int, default=4096)
+    sv.add_argument("--kv-cache-mib", type=int, default=64)
+    sv.add_argument("--no-prefix-caching", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cmd == "make-model":
+        print(make_model(args.dir))
+    else:
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Fixtures for the tests against a real vLLM (the CPU build, in .venv-vllm: `make test` runs them).
+
+Without vLLM these tests fail at collection, never skip: a skipped engine test is not coverage.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "tests/vllm need vLLM: run them with .venv-vllm/bin/python -m pytest tests/vllm "
+        "(make test-vllm creates that venv)") from e
+
+from kvtier.tools.vllm_engine import TINY_POOL, make_model
+from tests.support.daemon_proc import DaemonProcess, write_config
+from tests.support.redis_proc import RedisProcess
+
+POOL = "tiny"
+
+
+def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:
+    fields = {**TINY_POOL, **layout}
+    return f"""
+[pools.{name}]
+model = "tiny-llama"
+layers = {fields['layers']}
+kv_heads = {fields['kv_heads']}
+head_dim = {fields['head_dim']}
+block_tokens = {fields['block_tokens']}
+dtype = "{fields['dtype']}"
+device = "cpu"
+gpu_blocks = {gpu_blocks}
+cpu_blocks = {cpu_blocks}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A redis-server of this module's own (fault tests stop theirs)."""
+    server = RedisProcess.spawn(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop(kill=True)
+
+
+@pytest.fixture(scope="module")
+def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisProcess
+                 ) -> Iterator[Callable[..., DaemonProcess]]:
+    """Real daemons ("nodes") on the module's Redis, writing blocks through to it at once so that
+    another node finds them; each is stopped (or killed) at teardown."""
+    started: list[DaemonProcess] = []
+    directory = tmp_path_factory.mktemp("nodes")
+
+    def make(name: str, pools: str | None = None, policy: str = 'redis_write = "write-through"') -> DaemonProcess:
+        node = f"{name}-{uuid.uuid4().hex[:8]}"  # names /dev/shm segments: unique across sessions
+        cfg = write_config(directory, node=node, redis_url=module_redis.url, extra=f"[policy]\n{policy}\n",
+                           pools_toml=pools if pools is not None else pool_toml())
+        d = DaemonProcess(cfg, directory / f"rt-{node}")
+        started.append(d)
+        return d.start()
+
+    yield make
+    for d in started:
+        if d.alive:
+            try:
+                d.stop(10)
+            except Exception:
+                d.kill()
