@@ -5,6 +5,7 @@ Without vLLM these tests fail at collection, never skip: a skipped engine test i
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +22,22 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from kvtier.tools.vllm_engine import TINY_POOL, make_model
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.redis_proc import RedisProcess
+from tests.support.vllm_engine import EngineProcess
 
 POOL = "tiny"
+BS = 32  # vLLM block size = the pool's block_tokens
+_rng = random.Random(7)
+PREFIX = [_rng.randrange(3, 512) for _ in range(10 * BS)]  # ten full blocks shared by the P prompts
+
+
+def _tail(n: int = 40) -> list[int]:
+    return [_rng.randrange(3, 512) for _ in range(n)]
+
+
+# P*: the shared prefix and a 40-token tail (360 tokens: 11 full blocks, the last one partial).
+# Q*: unrelated prompts of the same shape.
+PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(),
+           "Q1": _tail(360), "Q2": _tail(360)}
 
 
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:
@@ -44,6 +59,14 @@ cpu_blocks = {cpu_blocks}
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy outputs of an engine with no connector: what every run with kvtier must equal."""
+    log = tmp_path_factory.mktemp("engines") / "baseline.log"
+    with EngineProcess(tiny_model, log, prefix_caching=False) as eng:
+        return {name: eng.generate(p)["tokens"] for name, p in PROMPTS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,31 +7,15 @@ computed or loaded. `cached` is vLLM's own count of prompt tokens it did not com
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from tests.support.vllm_engine import EngineProcess, connector_config
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import POOL
+from tests.vllm.conftest import BS, POOL, PROMPTS
 
 pytestmark = pytest.mark.timeout(900)  # the module's fixtures start four engines
 
-BS = 32  # vLLM block size = the pool's block_tokens
-rng = random.Random(7)
-PREFIX = [rng.randrange(3, 512) for _ in range(10 * BS)]  # ten full blocks shared by every prompt
-P1 = PREFIX + [rng.randrange(3, 512) for _ in range(40)]  # 360 tokens: 11 full blocks
-P2 = PREFIX + [rng.randrange(3, 512) for _ in range(40)]  # same prefix, another tail
-P3 = PREFIX + [rng.randrange(3, 512) for _ in range(40)]
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3}
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_model, tmp_path_factory) -> dict[str, list[int]]:
-    """Greedy outputs of an engine with no connector."""
-    log = tmp_path_factory.mktemp("engines") / "baseline.log"
-    with EngineProcess(tiny_model, log, prefix_caching=False) as eng:
-        return {name: eng.generate(p)["tokens"] for name, p in PROMPTS.items()}
+P1, P2, P3 = PROMPTS["P1"], PROMPTS["P2"], PROMPTS["P3"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +24,7 @@ def nodes(node_factory):
 
 
 @pytest.fixture(scope="module")
-def scenario(tiny_model, tmp_path_factory, baseline, nodes) -> dict:
+def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     """The whole story once (engine starts are the expensive part); tests assert on its record."""
     a, b = nodes
     logs = tmp_path_factory.mktemp("engines")

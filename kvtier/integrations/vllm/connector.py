@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TypeVar
 from kvtier.client.sync import SyncClient
 
 T = TypeVar("T")
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
 @dataclass(slots=True)
@@ -81,7 +81,8 @@ class DaemonLink:
         c = self.counters
         c.failures += 1
         c.by_reason[what] = c.by_reason.get(what, 0) + 1
-        log.warning("kvtier: %s failed (%s: %s); treating as a miss", what, type(error).__name__, error)
+        detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        log.warning("kvtier: %s failed (%s); treating as a miss", what, detail)
 
     def close(self) -> None:
         client, self._client = self._client, None

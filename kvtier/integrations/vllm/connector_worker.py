@@ -19,7 +19,7 @@ from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, p
 from kvtier.integrations.vllm.connector_link import DaemonLink
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
 class LayoutMismatch(ValueError):
