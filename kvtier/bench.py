@@ -63,17 +63,37 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
 
 # --- the environment: a private redis-server and a daemon ---------------------------------------
 
+def pool_toml(name: str, layout: dict, device: str, gpu_blocks: int, cpu_blocks: int) -> str:
+    return f"""
+[pools.{name}]
+model = "{layout['model']}"
+layers = {layout['layers']}
+kv_heads = {layout['kv_heads']}
+head_dim = {layout['head_dim']}
+block_tokens = {layout['block_tokens']}
+dtype = "{layout['dtype']}"
+device = "{device}"
+gpu_blocks = {gpu_blocks}
+cpu_blocks = {cpu_blocks}
+"""
+
+
 class Env:
-    def __init__(self, layout: dict, cpu_blocks: int, workdir: Path, *, device: str = "cpu",
-                 gpu_blocks: int = 0) -> None:
+    def __init__(self, layout: dict | None, cpu_blocks: int, workdir: Path, *, device: str = "cpu",
+                 gpu_blocks: int = 0, pools_toml: str | None = None, redis_url: str | None = None,
+                 policy_toml: str = "") -> None:
+        """A daemon serving pool "b" of `layout` (or the [pools.*] tables in `pools_toml`), on a
+        private redis-server, or on `redis_url` when given (a second node sharing the first's)."""
         self.dir = workdir
         self.sock = workdir / "redis.sock"
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        self.wait_for(lambda: self.sock.exists(), "redis-server")
-        self.url = f"unix://{self.sock}"
+        self.redis = None
+        if redis_url is None:
+            self.redis = subprocess.Popen(
+                ["redis-server", "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700",
+                 "--save", "", "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "0"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            self.wait_for(lambda: self.sock.exists(), "redis-server")
+        self.url = redis_url or f"unix://{self.sock}"
         self.node = f"bench-{uuid.uuid4().hex[:8]}"
         self.rdir = workdir / "rt"
         cfg = workdir / "bench.toml"
@@ -90,17 +110,8 @@ url = "{self.url}"
 persist_arena = false
 [metrics]
 listen = ""
-[pools.b]
-model = "{layout['model']}"
-layers = {layout['layers']}
-kv_heads = {layout['kv_heads']}
-head_dim = {layout['head_dim']}
-block_tokens = {layout['block_tokens']}
-dtype = "{layout['dtype']}"
-device = "{device}"
-gpu_blocks = {gpu_blocks}
-cpu_blocks = {cpu_blocks}
-""")
+{policy_toml}
+""" + (pools_toml if pools_toml is not None else pool_toml("b", layout or {}, device, gpu_blocks, cpu_blocks)))
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(workdir / "n.sock"))
         self.daemon = subprocess.Popen(
@@ -136,7 +147,8 @@ cpu_blocks = {cpu_blocks}
 
     def close(self) -> None:
         stop_processes([self.daemon], 30)  # the daemon first: it still talks to the redis-server
-        stop_processes([self.redis], 30)
+        if self.redis is not None:
+            stop_processes([self.redis], 30)
         self.notify.close()
 
 

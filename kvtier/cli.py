@@ -99,6 +99,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.vllm:
+        from kvtier.tools.bench_vllm import run_vllm_bench
+
+        return run_vllm_bench(args)
     if args.prefill:
         from kvtier.prefill import run_prefill
 
@@ -148,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results as JSON to this file")
     b.add_argument("--prefill", action="store_true",
                    help="run the prefill-saved scenario instead: client processes replay a shared-prompt trace")
+    b.add_argument("--vllm", action="store_true",
+                   help="measure the vLLM connector and secondary tier against kvtier's own get/put, and TTFT "
+                        "with a prefix from kvtier (needs vLLM; see docs/integrations/vllm.md)")
     pf = b.add_argument_group("prefill scenario")
     pf.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
     pf.add_argument("--requests", type=int, default=240, help="requests in the trace (default 240)")

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.client.client import Client, Lookup, PutResult
 from kvtier.keys import BlockKey
+from kvtier.processes import pid_alive
 
 
 class SyncClient:
@@ -55,6 +56,11 @@ class SyncClient:
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
+
+    def daemon_alive(self) -> bool:
+        """Whether the daemon this client follows (the descriptor's pid) is running."""
+        self._client._follow_restarts()
+        return pid_alive(self._client.desc.get("pid"))
 
     def pool(self, name: str):
         """The mapped pool (its layout, block shape and dtype); UnknownPool if not served."""

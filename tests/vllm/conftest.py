@@ -19,10 +19,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "tests/vllm need vLLM: run them with .venv-vllm/bin/python -m pytest tests/vllm "
         "(make test-vllm creates that venv)") from e
 
-from kvtier.tools.vllm_engine import TINY_POOL, make_model
+from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.redis_proc import RedisProcess
-from tests.support.vllm_engine import EngineProcess
 
 POOL = "tiny"
 BS = 32  # vLLM block size = the pool's block_tokens
@@ -102,3 +101,6 @@ def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisPr
                 d.stop(10)
             except Exception:
                 d.kill()
+        # A killed daemon leaves its arenas for a warm restart that will not come: remove them.
+        for seg in Path("/dev/shm").glob(f"kvtier.{d.node}.*"):
+            seg.unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess, connector_config
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, PROMPTS
 

@@ -8,7 +8,7 @@ import pytest
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
 from kvtier.tiers.segment import ShmSegment
 from kvtier.tiers.slots import Kind, SlotTable
-from tests.support.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess, connector_config
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, PROMPTS, pool_toml
 

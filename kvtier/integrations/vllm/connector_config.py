@@ -31,8 +31,9 @@ class ConnectorSettings:
     lookup_timeout_s: float = 0.02  # bound on the scheduler's one Redis round trip per request
     redis_wait_s: float = 1.0  # how long a request may wait for blocks prefetched from Redis
     retry_s: float = 5.0  # after the daemon was unreachable, how long until the next try
-    staging_blocks: int = 64  # the client's staging slots (puts beyond them are dropped)
+    staging_blocks: int = 128  # the client's staging slots, one block of /dev/shm each
     call_timeout_s: float = 5.0  # bound on one worker-side get or put
+    save_wait_s: float = 1.0  # how long a save may wait for staging slots the daemon is draining
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -46,7 +47,8 @@ class ConnectorSettings:
             errors.append("'runtime_dir' must be a string")
         values: dict[str, Any] = {}
         for name, ms_key, lo in (("lookup_timeout_s", "lookup_timeout_ms", 1), ("redis_wait_s", "redis_wait_ms", 0),
-                                 ("retry_s", "retry_ms", 1), ("call_timeout_s", "call_timeout_ms", 1)):
+                                 ("retry_s", "retry_ms", 1), ("call_timeout_s", "call_timeout_ms", 1),
+                                 ("save_wait_s", "save_wait_ms", 0)):
             if ms_key in extra:
                 v = extra.pop(ms_key)
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or v < lo:
@@ -61,7 +63,7 @@ class ConnectorSettings:
                 values["staging_blocks"] = v
         if extra:
             errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, "
-                          "redis_wait_ms, retry_ms, call_timeout_ms, staging_blocks)")
+                          "redis_wait_ms, retry_ms, call_timeout_ms, save_wait_ms, staging_blocks)")
         if errors:
             raise ConnectorConfigError("kvtier connector kv_connector_extra_config: " + "; ".join(errors))
         return cls(pool=pool, runtime_dir=runtime_dir, **values)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from typing import TypeVar
 from kvtier.client.sync import SyncClient
 
 T = TypeVar("T")
+ALIVE_CHECK_S = 0.5  # how often a connected link checks that the daemon still runs
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
@@ -49,13 +50,22 @@ class DaemonLink:
         self._connect = connect
         self._client: SyncClient | None = None
         self._next_try = 0.0
+        self._next_alive_check = 0.0
         self.counters = LinkCounters()
 
     def client(self) -> SyncClient | None:
         """The connected client, or None while the daemon is unreachable (retried every retry_s)."""
-        if self._client is not None:
-            return self._client
         now = time.monotonic()
+        if self._client is not None:
+            if now < self._next_alive_check:
+                return self._client
+            self._next_alive_check = now + ALIVE_CHECK_S
+            if self._client.daemon_alive():
+                return self._client
+            # Its arenas are still mapped, but nothing drains staging or answers prefetches: off.
+            self.failed("daemon", ConnectionError("the node's kvtier daemon is not running"))
+            self.close()
+            self._next_try = now + self._retry_s
         if now < self._next_try:
             return None
         self._next_try = now + self._retry_s

@@ -10,6 +10,7 @@ vLLM then recomputes them (or fails the request, if `kv_load_failure_policy` say
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, p
 from kvtier.integrations.vllm.connector_link import DaemonLink
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
 
+STAGING_POLL_S = 0.001
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
@@ -142,7 +144,18 @@ class WorkerMover:
         start = tr.first + skip
         buf = self._buffer(pool, len(todo))
         gather_blocks(self.caches, self._ids(ids), block_view(buf, len(self.caches), self.page))
-        res = client.put(self.s.pool, todo, buf, parent=keys[start - 1] if start else None,
-                         timeout=self.s.call_timeout_s)
-        c.saved_blocks += res.staged
-        c.save_dropped_blocks += res.dropped
+        # vLLM may free these pages once this step ends, so the bytes must be staged now. Staging
+        # slots the daemon has not drained yet are waited for, up to save_wait_s; what is still
+        # not staged then is dropped and counted (a future miss, never an error).
+        deadline = time.monotonic() + self.s.save_wait_s
+        done = 0
+        while True:
+            at = start + done
+            res = client.put(self.s.pool, todo[done:], buf[done:], parent=keys[at - 1] if at else None,
+                             timeout=self.s.call_timeout_s)
+            done += res.staged
+            if done == len(todo) or time.monotonic() >= deadline:
+                break
+            time.sleep(STAGING_POLL_S)
+        c.saved_blocks += done
+        c.save_dropped_blocks += len(todo) - done
