@@ -1,0 +1,71 @@
+"""vLLM offload keys -> kvtier block keys, namespaced the way vLLM's own storage tiers are.
+
+vLLM names an offloaded chunk by an `OffloadKey`: its block hash (already a chain over the
+prompt's tokens, parent first) followed by a 4-byte KV-cache group index. Those bytes say nothing
+about which model, dtype or parallel layout produced the chunk, so two deployments that share a
+Redis would collide on them. vLLM's file-system tier solves this with `FileMapper`: a directory
+named after a SHA-256 of the model, tokens per hash, blocks per file, tp/pp/pcp/dcp sizes, dtype,
+KV-cache groups, canonical format and engine, plus the rank. We reuse `FileMapper` itself for
+those fields (so a vLLM upgrade that adds one changes our namespace too, as it must) and add
+the chunk's byte size and an optional operator salt.
+
+The kvtier key is then
+
+    SHA-256( "kvtier/vllm-tier/v1" || u32 len || namespace JSON || u32 len || offload key )
+
+Why not kvtier's own `root_key(fingerprint, salt)` + `chain_keys`: those hash token ids, and a
+secondary tier never sees tokens, only vLLM's hashes. Hashing the offload key under the namespace
+keeps the property that matters: equal chunks from equal deployments meet on every node (the
+function is deterministic and process-independent), anything else never shares a key (SHA-256,
+length-prefixed fields). Pure functions: no I/O, no state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+DOMAIN = b"kvtier/vllm-tier/v1"
+
+
+def namespace_fields(spec: "OffloadingSpec", chunk_bytes: int, salt: str | None = None) -> dict:
+    """Everything a chunk's bytes depend on besides its tokens, as a JSON-able dict.
+
+    The scheduler-side tier sees whole chunk rows (every worker's pages side by side), so the
+    rank is the scheduler's (0) and the tp/pp/... sizes carry the layout, as for vLLM's fs tier.
+    `parallel_agnostic=True` collapses the layout only when vLLM says the bytes are portable."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    mapper = FileMapper.from_offloading_spec(root_dir="kvtier", offloading_spec=spec,
+                                             blocks_per_file=spec.config.cache.blocks_per_chunk,
+                                             parallel_agnostic=True)
+    return {"vllm": mapper.get_run_config(), "rank": mapper.rank, "chunk_bytes": int(chunk_bytes),
+            "salt": salt}
+
+
+def namespace_bytes(fields: dict) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, so equal fields give equal bytes everywhere."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+class KeyMapper:
+    """Maps vLLM `OffloadKey`s (bytes) to 32-byte kvtier keys under one namespace."""
+
+    __slots__ = ("namespace", "_prefix")
+
+    def __init__(self, namespace: bytes) -> None:
+        self.namespace = namespace
+        self._prefix = hashlib.sha256(DOMAIN + struct.pack("<I", len(namespace)) + namespace)
+
+    def __call__(self, offload_key: bytes) -> bytes:
+        h = self._prefix.copy()
+        h.update(struct.pack("<I", len(offload_key)) + bytes(offload_key))
+        return h.digest()
+
+    def many(self, offload_keys) -> list[bytes]:
+        return [self(k) for k in offload_keys]
