@@ -94,7 +94,7 @@ def library_logger():
 
 class Client:
     def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log,
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, blocks_redis=None) -> None:
         copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         if copy_threads < 1:
             raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
@@ -107,6 +107,8 @@ class Client:
         self.node: str = desc["node"]
         self.log = log.bind(node=self.node)
         self._redis = redis_client
+        # Block keys live on the blocks Redis, which is the bus's unless the daemon has a bus_url.
+        self._blocks = redis_client if blocks_redis is None else blocks_redis
         self._client_stream: str = desc["streams"]["client"]
         self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
@@ -159,15 +161,19 @@ class Client:
         desc, daemon_uid = _read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
-        r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
-                       retries=1)
+        opts = dict(socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
+        r = make_redis(desc["redis"]["bus_url"], **opts)
+        url = desc["redis"].get("url") or desc["redis"]["bus_url"]
+        blocks = None if url == desc["redis"]["bus_url"] else make_redis(url, **opts)
         try:
-            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads)
+            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks)
             client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
                             pools=sorted(desc.get("pools", {})), pid=os.getpid())
             return client
         except BaseException:
             await r.aclose()
+            if blocks is not None:
+                await blocks.aclose()
             raise
 
     async def close(self) -> None:
@@ -181,6 +187,8 @@ class Client:
         if self._copier is not None:
             self._copier.shutdown(wait=False)  # idle: every copy is waited for by its call
         await self._redis.aclose()
+        if self._blocks is not self._redis:
+            await self._blocks.aclose()
 
     async def __aenter__(self) -> "Client":
         return self
@@ -217,20 +225,39 @@ class Client:
         """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
         If Redis cannot be reached the answer is the local one."""
         local = self.lookup(pool, keys)
-        rest = [bytes(k) for k in keys[local.length:]]
+        rest = keys[local.length:]
         if not rest:
             return local
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for k in rest:
-                pipe.exists(redis_block_key(pool, k))
-            found = await pipe.execute()
+            found = await self._in_redis(pool, rest)
         except redis.exceptions.RedisError as e:
             self.stats.event_errors += 1
             self.log.warning("client.locate_redis_failed", pool=pool, error=str(e))
             return local
         n = next((i for i, f in enumerate(found) if not f), len(found))
         return Lookup(local.length, local.tiers, n)
+
+    async def present(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, not as a prefix: resident on this node, or in Redis (written by any node).
+        Keys Redis could not be asked about (it is unreachable) count as absent."""
+        p = self.pool(pool)
+        found = [p.locate(check_key(k)) is not None for k in keys]
+        rest = [i for i, f in enumerate(found) if not f]
+        if rest:
+            try:
+                for i, f in zip(rest, await self._in_redis(pool, [keys[i] for i in rest])):
+                    found[i] = f
+            except redis.exceptions.RedisError as e:
+                self.stats.event_errors += 1
+                self.log.warning("client.present_redis_failed", pool=pool, error=str(e))
+        return found
+
+    async def _in_redis(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined EXISTS per key on the blocks Redis."""
+        pipe = self._blocks.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(redis_block_key(pool, bytes(check_key(k))))
+        return [bool(x) for x in await pipe.execute()]
 
     # --- get -----------------------------------------------------------------------------------
 

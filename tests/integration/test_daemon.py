@@ -227,3 +227,27 @@ async def test_write_through_puts_blocks_in_redis_while_they_stay_local(daemon_f
     assert d.stop() == 0
     assert d.pool_stats()["tiers"]["redis"]["copied_in"] == 4
     r.close()
+
+
+async def test_locate_and_present_ask_the_blocks_redis_when_the_bus_is_elsewhere(daemon_factory, redis_server,
+                                                                                 tmp_path):
+    """With [redis] bus_url set, block keys live on `url` and the streams on `bus_url`: a client
+    must ask the blocks Redis whether a block is there, not the bus (it used to ask the bus)."""
+    from tests.support.redis_proc import RedisProcess
+
+    bus = RedisProcess.spawn(tmp_path / "bus")
+    try:
+        writer = daemon_factory(bus_url=bus.url, extra='[policy]\nredis_write = "write-through"\n')
+        reader = daemon_factory(bus_url=bus.url)
+        r = redis_server.client()
+        async with await Client.connect(writer.runtime_dir) as client:
+            keys = client.block_keys("t", list(range(16 * 3)), salt=b"bus-elsewhere")
+            await client.put("t", keys, make_kv(3, seed=4))
+            await async_wait_until(lambda: all(r.exists(redis_block_key("t", k)) for k in keys), timeout=10,
+                                   message="blocks written through to the blocks Redis")
+        async with await Client.connect(reader.runtime_dir) as client:
+            assert (await client.locate("t", keys)).redis_length == 3
+            assert await client.present("t", [keys[2], b"\x01" * 32, keys[0]]) == [True, False, True]
+        r.close()
+    finally:
+        bus.stop(kill=True)

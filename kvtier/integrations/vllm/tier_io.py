@@ -33,13 +33,11 @@ import numpy as np
 import redis.exceptions
 import torch
 
-from kvtier.bus.connect import make_redis
 from kvtier.client import Client
 from kvtier.client.client import library_logger
 from kvtier.errors import DaemonUnavailable, KvtierError, UnknownPool
 from kvtier.integrations.vllm.tier_stats import Counters, LogThrottle
 from kvtier.processes import pid_alive
-from kvtier.tiers.redis_blocks import redis_block_key
 
 POLL_S = 0.001  # residency polls while a load waits for a prefetch
 STORE_POLL_S = 0.002  # ... and while a store waits for visibility or staging room
@@ -112,7 +110,6 @@ class TierIO:
         self.warn = LogThrottle(self.log)
         self.up = False  # read by the scheduler thread; written by the loop thread only
         self._client: Client | None = None
-        self._blocks = None  # redis for block keys (the descriptor's url; may differ from the bus)
         self._mismatch = ""
         self._retry_at = 0.0
         self._loop = asyncio.new_event_loop()
@@ -194,13 +191,11 @@ class TierIO:
             self.up = False
             return
         old, self._client, self._mismatch = self._client, client, ""
-        old_blocks, self._blocks = self._blocks, make_redis(client.desc["redis"]["url"], socket_timeout=2.0,
-                                                            connect_timeout=2.0, retries=1)
         self.up = True
         self.log.info("vllm_tier.connected", node=client.node, daemon_pid=client.desc.get("pid"),
                       chunk_bytes=self.chunk_bytes)
         if old is not None:
-            await self._close_quietly(old, old_blocks)
+            await self._close_quietly(old)
 
     def _check_pool(self, client: Client) -> None:
         try:
@@ -243,16 +238,13 @@ class TierIO:
             await self._reconnect()
 
     async def _drop_client(self) -> None:
-        client, blocks, self._client, self._blocks, self.up = self._client, self._blocks, None, None, False
+        client, self._client, self.up = self._client, None, False
         if client is not None:
-            await self._close_quietly(client, blocks)
+            await self._close_quietly(client)
 
-    async def _close_quietly(self, client: Client, blocks=None) -> None:
+    async def _close_quietly(self, client: Client) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.close(), CLOSE_S)
-        if blocks is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(blocks.aclose(), CLOSE_S)
 
     def _require(self, current: Client | None = None) -> Client:
         """The live client; with `current`, also that no reconnect replaced it (a job that
@@ -267,28 +259,15 @@ class TierIO:
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: resident on this node, or in Redis (put there by any node)."""
         client = self._require()
-        found = [client.lookup(self.pool, [k]).length == 1 for k in keys]
-        rest = [i for i, f in enumerate(found) if not f]
-        if rest:
-            for i, f in zip(rest, await self._in_redis(client, [keys[i] for i in rest])):
-                found[i] = f
-        return found
+        return await self._present(client, keys)
 
-    async def _in_redis(self, client: Client, keys: Sequence[bytes]) -> list[bool]:
-        """One pipelined EXISTS per key on the blocks Redis. `Client.locate` answers only a prefix
-        length; vLLM asks per chunk (sliding-window groups scan from the end)."""
-        blocks = self._blocks
-        if blocks is None or not keys:
-            return [False] * len(keys)
-        try:
-            pipe = blocks.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(redis_block_key(self.pool, k))
-            return [bool(x) for x in await pipe.execute()]
-        except (redis.exceptions.RedisError, OSError) as e:
+    async def _present(self, client: Client, keys: Sequence[bytes]) -> list[bool]:
+        """Client.present, with a Redis that cannot be asked counted (its keys count as absent)."""
+        errors = client.stats.event_errors
+        found = await client.present(self.pool, keys) if keys else []
+        if client.stats.event_errors > errors:
             self.counters.add("redis_errors")
-            self.warn.warning("vllm_tier.redis_failed", op="exists", error=str(e))
-            return [False] * len(keys)
+        return found
 
     async def run_job(self, kind: str, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float) -> Outcome:
         """`kind` "store" or "load" with a hard guard at deadline + GRACE_S (time.monotonic)."""
@@ -365,7 +344,7 @@ class TierIO:
         reason = ""
         pending: list[int] = []
         if absent:
-            pending = [i for i, has in zip(absent, await self._in_redis(client, [keys[i] for i in absent])) if has]
+            pending = [i for i, has in zip(absent, await self._present(client, [keys[i] for i in absent])) if has]
             if len(pending) < len(absent):
                 reason = "not_found"
             if pending:
@@ -430,7 +409,7 @@ class TierIO:
             pending = [k for k in pending if k not in stored]
             now = time.monotonic()
             if pending and (now >= next_redis or now >= deadline):
-                stored.update(k for k, has in zip(pending, await self._in_redis(client, pending)) if has)
+                stored.update(k for k, has in zip(pending, await self._present(client, pending)) if has)
                 pending = [k for k in pending if k not in stored]
                 next_redis = now + REDIS_CHECK_S
             if not pending:
