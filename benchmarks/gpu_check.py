@@ -14,6 +14,11 @@
    a CUDA tensor, shed from the gpu tier to the cpu arena by the daemon (D2H), and read back into
    a CUDA tensor through the IPC mapping; every byte is compared, and the get is timed against a
    device-to-device copy of the same bytes. A byte changed through the IPC mapping must be a miss. Skipped, and said so, without redis-server on PATH.
+6. The vLLM connector's copies, without vLLM: paged KV caches as vLLM lays out Llama-3-8B on a GPU
+   (32 layers of [blocks, 2, 8, 32, 128] bfloat16) on CUDA; gather and scatter between them and
+   kvtier blocks, byte for byte against the same copies on CPU tensors; then the worker's own save
+   and load (WorkerMover) against a real daemon, from and into the CUDA caches, every byte
+   compared. `--connector-device cpu` runs this step alone on CPU (a check of the check).
 
 Prints one line per check and "ALL CHECKS PASSED" at the end; exits 1 on any failure.
 """
@@ -168,13 +173,75 @@ def daemon_on_gpu(dev: torch.device, n_gpu: int) -> None:
             check("daemon logged no error", not errors, errors[0][:300] if errors else "")
 
 
+def connector_copies(dev: torch.device, blocks: int = 24) -> None:
+    """6. The vLLM connector's paged copies and its worker's save/load on `dev`, checked against CPU."""
+    from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, scatter_blocks
+
+    layers, page = 32, (2, 8, 32, 128)
+    g = torch.Generator().manual_seed(6)
+    cpu_caches = [torch.randint(-30000, 30000, (2 * blocks + 1, *page), generator=g, dtype=torch.int16)
+                  .view(torch.bfloat16) for _ in range(layers)]
+    dev_caches = [c.to(dev, copy=True) for c in cpu_caches]
+    ids = torch.randperm(2 * blocks, generator=g)[:blocks] + 1
+    out_cpu = torch.empty((blocks, layers, *page), dtype=torch.bfloat16)
+    out_dev = torch.empty_like(out_cpu, device=dev)
+    gather_blocks(cpu_caches, ids, out_cpu)
+    gather_blocks(dev_caches, ids.to(dev), out_dev)
+    same = lambda a, b: torch.equal(a.cpu().contiguous().view(torch.int16), b.cpu().contiguous().view(torch.int16))  # noqa: E731
+    check("6. connector gather on the device equals the CPU path", same(out_dev, out_cpu))
+    back = torch.arange(blocks) + 1
+    scatter_blocks(out_cpu, cpu_caches, back)
+    scatter_blocks(out_dev, dev_caches, back.to(dev))
+    check("6. connector scatter on the device equals the CPU path",
+          all(same(d, c) for d, c in zip(dev_caches, cpu_caches)))
+    if shutil.which("redis-server") is None:
+        print("SKIP  6. connector save/load against a daemon: no redis-server on PATH (not counted as a pass)")
+        return
+    from kvtier.bench import Env
+    from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
+    from kvtier.integrations.vllm.connector_link import DaemonLink
+    from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+    from kvtier.integrations.vllm.connector_worker import WorkerMover
+
+    layout = dict(model="llama3-8b-vllm", layers=layers, kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = Env(layout, cpu_blocks=4 * blocks, workdir=Path(tmp))
+        link = None
+        try:
+            ns = KeyNamespace("llama3-8b-vllm", "gpu-check", 32, layers, 8, 128, "bfloat16", "check", dev.type)
+            settings = ConnectorSettings(pool="b", runtime_dir=str(env.rdir), staging_blocks=blocks, call_timeout_s=60)
+            link = DaemonLink(settings.runtime_dir, blocks, settings.retry_s)
+            mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), [f"l{i}" for i in range(layers)])
+            mover.register({f"l{i}": c for i, c in enumerate(dev_caches)})
+            tokens = tuple(range(blocks * 32))
+            src = tuple(int(i) for i in ids)
+            saved = [c[list(src)].clone() for c in cpu_caches]  # the reference: what the save must carry
+            mover.save([BlockTransfer("check", tokens, None, None, 0, src)])
+            keys = mover._keys(link.client(), BlockTransfer("check", tokens, None, None, 0, src))
+            check("6. connector save from device pages: every block visible in kvtier",
+                  link.client().wait_resident("b", keys, timeout=60))
+            dst = tuple(range(blocks + 1, 2 * blocks + 1))
+            failed = mover.load([BlockTransfer("check", tokens, None, None, 0, dst)])
+            ok = not failed and all(same(d[list(dst)], ref) for d, ref in zip(dev_caches, saved))
+            check("6. connector load into device pages equals the saved bytes", ok, f"failed block ids {sorted(failed)[:5]}")
+        finally:
+            if link is not None:
+                link.close()
+            env.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=256, help="arena blocks of 2 MiB (default 256 = 512 MiB)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--connector-device", help="run step 6 alone on this device (e.g. cpu)")
     args = ap.parse_args()
     if args.child:
         return child_reads(args.child)
+    if args.connector_device:
+        connector_copies(torch.device(args.connector_device))
+        print("FAILED: " + ", ".join(failures) if failures else "ALL CHECKS PASSED")
+        return 1 if failures else 0
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device (torch.cuda.is_available() is False); nothing to check")
         return 0
@@ -273,6 +340,7 @@ def main() -> int:
     finally:
         seg.unlink()
     daemon_on_gpu(dev, n_gpu=32)
+    connector_copies(dev)
     if failures:
         print(f"FAILED: {', '.join(failures)}")
         return 1

@@ -11,11 +11,12 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import redis.exceptions
 import structlog
 import torch
@@ -281,6 +282,26 @@ class Client:
         self._note_access(pool, keys[:n], len(keys) - n)
         return n
 
+    async def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, np.ndarray], None],
+                       digest: Callable[[int], int]) -> int:
+        """`get` into host memory of the caller's own layout: `copy_out(i, src)` copies block i
+        from its slot (`src`, uint8, block_bytes) and `digest(i)` returns the xxh3-64 of what it
+        wrote, in block order; a block whose digest or seqlock does not check out ends the prefix.
+        Returns n as get does; what copy_out wrote for blocks from n on must not be used."""
+        p = self.pool(pool)
+        keys = [check_key(k) for k in keys]
+
+        def read(share: Sequence[int]) -> list[bool]:
+            return [p.read_with(keys[i], lambda src, i=i: copy_out(i, src), lambda i=i: digest(i)) for i in share]
+
+        with p.in_use():
+            ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes)
+        n = next((i for i, hit in enumerate(ok) if not hit), len(keys))
+        self.stats.reads += n
+        self.stats.read_misses += len(keys) - n
+        self._note_access(pool, keys[:n], len(keys) - n)
+        return n
+
     async def _copy(self, fn, items: Sequence, nbytes: int, threads: int | None = None) -> list:
         """fn over items: inline when small, else in this client's copy threads, off the caller's
         event loop. A GPU destination uses one thread (its pinned bounce buffer is per pool)."""
@@ -297,18 +318,40 @@ class Client:
         for the chain's first block). Never blocks on a busy daemon: what cannot be staged at
         once is dropped and counted."""
         p = self.pool(pool)
+        p.check_tensor(kv, len(keys), "kv")
+        rows = None
+
+        def write(i: int, b):
+            return p.fill_slot(b, rows[i])
+
+        def prepare(n: int) -> None:
+            nonlocal rows
+            rows = host_rows(kv, n)
+
+        return await self._put(p, keys, parent, write, prepare)
+
+    async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, np.ndarray], None], *,
+                       parent: bytes | None = None) -> PutResult:
+        """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
+        a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
+        `fill` may run in the client's copy threads, several blocks side by side."""
+        p = self.pool(pool)
+        return await self._put(p, keys, parent, lambda i, b: p.fill_slot_with(b, lambda dst: fill(i, dst)), None)
+
+    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, write, prepare) -> PutResult:
+        pool = p.name
         keys = [check_key(k) for k in keys]
         parent = None if parent is None else check_key(parent)
-        p.check_tensor(kv, len(keys), "kv")
         if not keys:
             return PutResult(0, 0)
         staged = p.take_slots(keys, parent)
         segment = p.staging.seg.name  # p may be closed (daemon restarted) while the copies run
         if staged:
-            rows = host_rows(kv, len(staged))
             try:
+                if prepare is not None:
+                    prepare(len(staged))
                 with p.in_use():
-                    parts = await self._copy(lambda share: [p.fill_slot(b, rows[i]) for i, b in share],
+                    parts = await self._copy(lambda share: [write(i, b) for i, b in share],
                                              list(enumerate(staged)), len(staged) * p.block_bytes)
             except BaseException:
                 p.unstage(staged)

@@ -117,6 +117,22 @@ class ClientPool:
                 return True
         return False
 
+    def read_with(self, key: bytes, copy_out, digest) -> bool:
+        """As read, into a host destination of the caller's making (SlotTable.read_with). A block
+        only in a CUDA gpu tier is a miss here."""
+        row = self.directory.find(key)
+        if row is None:
+            return False
+        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
+            table = self.tables.get(tier)
+            if slot == NO_SLOT or table is None or not 0 <= slot < table.n:
+                continue
+            if tier == Tier.GPU and self.gpu_device_payload is not None:
+                continue
+            if table.read_with(slot, key, copy_out, digest):
+                return True
+        return False
+
     def _pinned(self) -> torch.Tensor:
         """A page-locked host block: copies between it and a GPU run at full PCIe speed, where a
         pageable buffer measured about 3 GB/s on an H200."""
@@ -175,6 +191,15 @@ class ClientPool:
         Touches only that slot, so the blocks of one put may be filled in threads side by side."""
         return StagedBlock(b.key, b.parent, b.slot,
                            self.staging.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
+
+    def fill_slot_with(self, b: StagedBlock, write) -> StagedBlock:
+        """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
+        in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once."""
+        table = self.staging
+        dst = table.payloads()[b.slot, : self.block_bytes]
+        write(dst)
+        return StagedBlock(b.key, b.parent, b.slot,
+                           table.end_write(b.slot, b.gen, b.key, self.block_bytes, checksum(dst), Flags.READY, b.parent))
 
     def staged(self, blocks: list[StagedBlock]) -> None:
         now = time.monotonic()

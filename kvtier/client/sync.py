@@ -49,9 +49,16 @@ class SyncClient:
     def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, timeout: float | None = None) -> int:
         return self._call(self._client.get(pool, keys, out), timeout)
 
+    def get_with(self, pool: str, keys: Sequence[bytes], copy_out, digest, *, timeout: float | None = None) -> int:
+        return self._call(self._client.get_with(pool, keys, copy_out, digest), timeout)
+
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
             timeout: float | None = None) -> PutResult:
         return self._call(self._client.put(pool, keys, kv, parent=parent), timeout)
+
+    def put_with(self, pool: str, keys: Sequence[bytes], fill, *, parent: bytes | None = None,
+                 timeout: float | None = None) -> PutResult:
+        return self._call(self._client.put_with(pool, keys, fill, parent=parent), timeout)
 
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:

@@ -73,6 +73,14 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def checksum_parts(parts) -> int:
+    """checksum() of the parts' concatenation, without concatenating them."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
@@ -247,3 +255,15 @@ class SlotTable:
         if checksum(dst) != csum:
             return None
         return csum
+
+    def read_with(self, slot: int, key: bytes, copy_out, digest, flags: int = Flags.VALID) -> bool:
+        """read_into for a destination that is not one array (vLLM's per-layer pages):
+        `copy_out(src)` copies the payload out, then `digest()` hashes what landed, in payload
+        order. Verified the same way: a torn or replaced block is a miss, and the caller must
+        not use what copy_out wrote."""
+        snap = self.begin_read(slot, key, flags)
+        if snap is None:
+            return False
+        gen, csum = snap
+        copy_out(self.payloads()[slot, : self.block_bytes])
+        return self.end_read(slot, gen, key) and digest() == csum

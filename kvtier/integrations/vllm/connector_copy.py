@@ -39,6 +39,13 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, ou
         torch.index_select(cache, 0, block_ids, out=out[:n, layer])
 
 
+def copy_block(kv_caches: Sequence[torch.Tensor], block_id: int, dst: torch.Tensor) -> None:
+    """dst[l] = kv_caches[l][block_id] for one block; `dst` is `[layers, *page]`, e.g. a staging
+    slot seen as the caches' dtype (the save path's one copy per page)."""
+    for layer, cache in enumerate(kv_caches):
+        dst[layer].copy_(cache[block_id])
+
+
 def scatter_blocks(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
     """kv_caches[l][block_ids[i]] = src[i, l]: kvtier blocks -> vLLM pages."""
     n = block_ids.numel()

@@ -13,12 +13,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
-from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, page_shape, scatter_blocks
+from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
 from kvtier.integrations.vllm.connector_link import DaemonLink
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+from kvtier.tiers.slots import checksum_parts
 
 STAGING_POLL_S = 0.001
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
@@ -40,6 +42,7 @@ class WorkerMover:
         self.page: tuple[int, ...] = ()
         self._checked: object | None = None  # the client whose pool layout was last checked
         self.disabled: str | None = None  # why every transfer is a miss
+        self._scratch: torch.Tensor | None = None
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -48,6 +51,11 @@ class WorkerMover:
         names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
         self.caches = [kv_caches[n] for n in names]
         self.page = page_shape(self.caches)
+        # Host caches with contiguous pages are loaded straight from the slots, verified in place
+        # (one copy); others (CUDA, strided pages) through a scratch buffer and a scatter.
+        self._pages = None
+        if all(c.device.type == "cpu" and c.is_contiguous() for c in self.caches):
+            self._pages = [c.view(torch.uint8).numpy().reshape(c.shape[0], -1) for c in self.caches]
         log.info("kvtier: %d layers registered, page %s %s on %s", len(self.caches), self.page,
                  self.caches[0].dtype, self.caches[0].device)
 
@@ -91,7 +99,13 @@ class WorkerMover:
         return client.block_keys(self.s.pool, tr.token_ids, salt=salt, lora_id=tr.lora_name)
 
     def _buffer(self, pool, n: int) -> torch.Tensor:
-        return torch.empty((n, *pool.shape), dtype=pool.dtype, device=self.caches[0].device)
+        """n blocks of scratch for loads, reused: a fresh one per step would page-fault its whole
+        size (it did: a fresh buffer made saves run at a tenth of Client.put)."""
+        shape = (n, *pool.shape)
+        buf = self._scratch
+        if buf is None or buf.shape[0] < n or buf.shape[1:] != shape[1:] or buf.dtype != pool.dtype:
+            buf = self._scratch = torch.empty(shape, dtype=pool.dtype, device=self.caches[0].device)
+        return buf[:n]
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
@@ -117,11 +131,28 @@ class WorkerMover:
         if pool is None:
             return 0
         keys = self._keys(client, tr)[tr.first:tr.first + len(tr.block_ids)]
+        if self._pages is not None:
+            return self._load_in_place(client, keys, tr.block_ids)
         buf = self._buffer(pool, len(keys))
         n = client.get(self.s.pool, keys, buf, timeout=self.s.call_timeout_s)
         if n:
             scatter_blocks(block_view(buf, len(self.caches), self.page), self.caches, self._ids(tr.block_ids[:n]))
         return n
+
+    def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int]) -> int:
+        pages = self._pages
+        step = pages[0].shape[1]
+
+        def copy_out(i: int, src) -> None:
+            b = block_ids[i]
+            for layer, p in enumerate(pages):
+                np.copyto(p[b], src[layer * step:(layer + 1) * step])
+
+        def digest(i: int) -> int:
+            b = block_ids[i]
+            return checksum_parts(p[b] for p in pages)
+
+        return client.get_with(self.s.pool, keys, copy_out, digest, timeout=self.s.call_timeout_s)
 
     # --- saves -----------------------------------------------------------------------------------
 
@@ -142,8 +173,13 @@ class WorkerMover:
         if not todo:
             return
         start = tr.first + skip
-        buf = self._buffer(pool, len(todo))
-        gather_blocks(self.caches, self._ids(ids), block_view(buf, len(self.caches), self.page))
+        caches, layers, page, dtype = self.caches, len(self.caches), self.page, self.caches[0].dtype
+
+        def filler(off: int):
+            def fill(i: int, dst) -> None:  # straight from vLLM's pages into the staging slot
+                copy_block(caches, ids[off + i], torch.from_numpy(dst).view(dtype).view(layers, *page))
+            return fill
+
         # vLLM may free these pages once this step ends, so the bytes must be staged now. Staging
         # slots the daemon has not drained yet are waited for, up to save_wait_s; what is still
         # not staged then is dropped and counted (a future miss, never an error).
@@ -151,8 +187,8 @@ class WorkerMover:
         done = 0
         while True:
             at = start + done
-            res = client.put(self.s.pool, todo[done:], buf[done:], parent=keys[at - 1] if at else None,
-                             timeout=self.s.call_timeout_s)
+            res = client.put_with(self.s.pool, todo[done:], filler(done), parent=keys[at - 1] if at else None,
+                                  timeout=self.s.call_timeout_s)
             done += res.staged
             if done == len(todo) or time.monotonic() >= deadline:
                 break

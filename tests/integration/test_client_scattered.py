@@ -1,0 +1,58 @@
+"""put_with / get_with: blocks gathered from and read into memory of the caller's own layout (what
+the vLLM connector does with per-layer pages), verified like any other read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.client import Client
+from kvtier.tiers.slots import checksum_parts
+
+pytestmark = pytest.mark.integration
+BLOCK_BYTES = 8192  # the test pool: 2 layers x 2 x 2 heads x 16 tokens x 32 dims x float16
+LAYERS = 4  # the caller's own split of a block: four pages of 2 KiB, in separate arrays
+
+
+def pages(blocks: int, seed: int | None = None) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    make = (lambda: rng.integers(0, 256, (blocks, BLOCK_BYTES // LAYERS), dtype=np.uint8)) if seed is not None \
+        else (lambda: np.zeros((blocks, BLOCK_BYTES // LAYERS), dtype=np.uint8))
+    return [make() for _ in range(LAYERS)]
+
+
+async def test_scattered_blocks_round_trip_and_a_bad_digest_ends_the_prefix(daemon_factory):
+    d = daemon_factory()
+    src = pages(6, seed=5)
+    step = BLOCK_BYTES // LAYERS
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(16 * 5)), salt=b"scattered")
+
+        def fill(i: int, dst: np.ndarray) -> None:  # block i is row i + 1 of every page array
+            for layer, p in enumerate(src):
+                dst[layer * step:(layer + 1) * step] = p[i + 1]
+
+        res = await client.put_with("t", keys, fill)
+        assert (res.staged, res.dropped) == (5, 0)
+        assert await client.wait_resident("t", keys, timeout=10)
+
+        dst = pages(6)
+        rows = [5, 0, 3, 1, 2]  # where block i lands: any order, as vLLM's block ids are
+
+        def copy_out(i: int, blk: np.ndarray) -> None:
+            for layer, p in enumerate(dst):
+                p[rows[i]] = blk[layer * step:(layer + 1) * step]
+
+        def digest(i: int) -> int:
+            return checksum_parts(p[rows[i]] for p in dst)
+
+        assert await client.get_with("t", keys, copy_out, digest) == 5
+        for i in range(5):
+            assert all(np.array_equal(dst[layer][rows[i]], src[layer][i + 1]) for layer in range(LAYERS))
+
+        # A destination that does not hold what was copied (here: hashed from the wrong row)
+        # fails verification, and the prefix ends there.
+        def wrong_digest(i: int) -> int:
+            return checksum_parts(p[rows[i] if i != 2 else 4] for p in dst)
+
+        assert await client.get_with("t", keys, copy_out, wrong_digest) == 2
