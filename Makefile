@@ -1,22 +1,39 @@
 # The two commands a fresh machine needs: `make run` (the demo) and `make test` (the suite).
-PYTHON ?= python3
-VENV   ?= .venv
-BIN     = $(VENV)/bin
-STAMP   = $(VENV)/.kvtier-installed
+PYTHON     ?= python3
+VENV       ?= .venv
+BIN         = $(VENV)/bin
+STAMP       = $(VENV)/.kvtier-installed
+# vLLM's CPU build lives in its own venv (scripts/setup-vllm-venv.sh); tests/vllm runs there.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN    = $(VLLM_VENV)/bin
+VLLM_STAMP  = $(VLLM_VENV)/.kvtier-installed
 
-.PHONY: run test setup redis-server test-tools clean
+.PHONY: run test test-vllm setup setup-vllm redis-server test-tools clean
 
 run: $(STAMP) redis-server
 	$(BIN)/kvtier demo
 
-test: $(STAMP) redis-server test-tools
-	$(BIN)/python -m pytest -q
+# Both parts always run; the target fails if either does.
+test: $(STAMP) $(VLLM_STAMP) redis-server test-tools
+	@status=0; \
+	echo "$(BIN)/python -m pytest -q"; $(BIN)/python -m pytest -q || status=1; \
+	echo "$(VLLM_BIN)/python -m pytest -q tests/vllm"; $(VLLM_BIN)/python -m pytest -q tests/vllm || status=1; \
+	exit $$status
+
+test-vllm: $(VLLM_STAMP) redis-server test-tools
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
 setup: $(STAMP) redis-server
 
-$(STAMP): pyproject.toml scripts/setup-venv.sh
+setup-vllm: $(VLLM_STAMP) redis-server
+
+$(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh
 	PYTHON=$(PYTHON) scripts/setup-venv.sh $(VENV)
 	touch $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh
+	PYTHON=$(PYTHON) scripts/setup-vllm-venv.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
 
 redis-server:
 	@scripts/ensure-redis-server.sh
@@ -25,4 +42,4 @@ test-tools:
 	@scripts/ensure-test-tools.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
