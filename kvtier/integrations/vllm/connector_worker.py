@@ -175,9 +175,17 @@ class WorkerMover:
         start = tr.first + skip
         caches, layers, page, dtype = self.caches, len(self.caches), self.page, self.caches[0].dtype
 
+        pages = self._pages
+
         def filler(off: int):
             def fill(i: int, dst) -> None:  # straight from vLLM's pages into the staging slot
-                copy_block(caches, ids[off + i], torch.from_numpy(dst).view(dtype).view(layers, *page))
+                b = ids[off + i]
+                if pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
+                    step = pages[0].shape[1]
+                    for layer, p in enumerate(pages):
+                        np.copyto(dst[layer * step:(layer + 1) * step], p[b])
+                else:
+                    copy_block(caches, b, torch.from_numpy(dst).view(dtype).view(layers, *page))
             return fill
 
         # vLLM may free these pages once this step ends, so the bytes must be staged now. Staging
