@@ -95,18 +95,23 @@ class ClientPool:
         row = self.directory.find(key)
         return row is not None and bool(row[2] & IN_REDIS)
 
+    def _slots(self, key: bytes):
+        """(tier, table, slot) where the directory lists `key`, best tier first; the slot's own
+        header is what a read then verifies."""
+        row = self.directory.find(key)
+        if row is None:
+            return
+        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
+            table = self.tables.get(tier)
+            if slot != NO_SLOT and table is not None and 0 <= slot < table.n:
+                yield tier, table, slot
+
     def read(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy `key` into dst (one block, any device). Verified; False means a miss."""
         flat = dst.view(torch.uint8).reshape(-1)
         on_host = flat.device.type == "cpu"
         host = flat.numpy() if on_host else self._pinned().numpy()
-        row = self.directory.find(key)
-        if row is None:
-            return False
-        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
-            table = self.tables.get(tier)
-            if slot == NO_SLOT or table is None or not 0 <= slot < table.n:
-                continue
+        for tier, table, slot in self._slots(key):
             if tier == Tier.GPU and self.gpu_device_payload is not None:
                 if self._read_device(table, slot, key, flat):
                     return True
@@ -120,18 +125,8 @@ class ClientPool:
     def read_with(self, key: bytes, copy_out, digest) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block
         only in a CUDA gpu tier is a miss here."""
-        row = self.directory.find(key)
-        if row is None:
-            return False
-        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
-            table = self.tables.get(tier)
-            if slot == NO_SLOT or table is None or not 0 <= slot < table.n:
-                continue
-            if tier == Tier.GPU and self.gpu_device_payload is not None:
-                continue
-            if table.read_with(slot, key, copy_out, digest):
-                return True
-        return False
+        return any(table.read_with(slot, key, copy_out, digest) for tier, table, slot in self._slots(key)
+                   if not (tier == Tier.GPU and self.gpu_device_payload is not None))
 
     def _pinned(self) -> torch.Tensor:
         """A page-locked host block: copies between it and a GPU run at full PCIe speed, where a

@@ -19,6 +19,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "tests/vllm need vLLM: run them with .venv-vllm/bin/python -m pytest tests/vllm "
         "(make test-vllm creates that venv)") from e
 
+from kvtier.bench import pool_toml as bench_pool_toml
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.redis_proc import RedisProcess
@@ -40,19 +41,7 @@ PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(
 
 
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:
-    fields = {**TINY_POOL, **layout}
-    return f"""
-[pools.{name}]
-model = "tiny-llama"
-layers = {fields['layers']}
-kv_heads = {fields['kv_heads']}
-head_dim = {fields['head_dim']}
-block_tokens = {fields['block_tokens']}
-dtype = "{fields['dtype']}"
-device = "cpu"
-gpu_blocks = {gpu_blocks}
-cpu_blocks = {cpu_blocks}
-"""
+    return bench_pool_toml(name, {"model": "tiny-llama", **TINY_POOL, **layout}, "cpu", gpu_blocks, cpu_blocks)
 
 
 @pytest.fixture(scope="session")
