@@ -67,7 +67,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.integrations.vllm.tier_io import GRACE_S, Outcome, TierIO, primary_rows
+from kvtier.integrations.vllm.tier_chunks import primary_rows
+from kvtier.integrations.vllm.tier_io import GRACE_S, Outcome, TierIO
 from kvtier.integrations.vllm.tier_keys import KeyMapper, namespace_bytes, namespace_fields
 from kvtier.integrations.vllm.tier_stats import Counters
 
