@@ -160,7 +160,8 @@ def daemon_on_gpu(dev: torch.device, n_gpu: int) -> None:
     if shutil.which("redis-server") is None:
         print("SKIP  5. daemon with a CUDA gpu tier: no redis-server on PATH (not counted as a pass)")
         return
-    from kvtier.bench import LLAMA, Env
+    from kvtier.bench import LLAMA
+    from kvtier.tools.bench_env import Env
 
     with tempfile.TemporaryDirectory() as tmp:
         env = Env(LLAMA, cpu_blocks=4 * n_gpu, workdir=Path(tmp), device="cuda", gpu_blocks=n_gpu)
@@ -175,7 +176,7 @@ def daemon_on_gpu(dev: torch.device, n_gpu: int) -> None:
 
 def connector_copies(dev: torch.device, blocks: int = 24) -> None:
     """6. The vLLM connector's paged copies and its worker's save/load on `dev`, checked against CPU."""
-    from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, scatter_blocks
+    from kvtier.integrations.vllm.connector_copy import gather_blocks, scatter_blocks
 
     layers, page = 32, (2, 8, 32, 128)
     g = torch.Generator().manual_seed(6)
@@ -197,7 +198,7 @@ def connector_copies(dev: torch.device, blocks: int = 24) -> None:
     if shutil.which("redis-server") is None:
         print("SKIP  6. connector save/load against a daemon: no redis-server on PATH (not counted as a pass)")
         return
-    from kvtier.bench import Env
+    from kvtier.tools.bench_env import Env
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_link import DaemonLink
     from kvtier.integrations.vllm.connector_scheduler import BlockTransfer

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench import LLAMA, Env
+from kvtier.bench import LLAMA
+from kvtier.tools.bench_env import Env
 from kvtier.demo import _progress, make_trace, shared_prompts, sum_reports
 from kvtier.layout import BlockLayout
 from kvtier.processes import die_with_parent, stop_processes

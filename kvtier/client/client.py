@@ -7,7 +7,6 @@ Reads never leave the node: lookup and get go straight to shared memory. Events 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import secrets
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import redis.exceptions
-import structlog
 import torch
 
 from kvtier.bus.connect import make_redis
@@ -26,7 +24,8 @@ from kvtier.bus.events import Access, Prefetch, Put, Tier
 from kvtier.bus.transport import BusStats, Publisher
 from kvtier.client.pools import ClientPool, host_rows
 from kvtier.config import default_runtime_dir
-from kvtier.daemon.descriptor import DESCRIPTOR, read_json
+from kvtier.client.discovery import library_logger, read_descriptor
+from kvtier.daemon.descriptor import DESCRIPTOR
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
 from kvtier.offload import default_copy_threads, map_shares
@@ -61,36 +60,6 @@ class ClientStats:
     read_misses: int = 0
     put_dropped: int = 0
     event_errors: int = 0
-
-
-def _read_descriptor(rdir: Path) -> tuple[dict, int]:
-    """The daemon's descriptor and the uid that owns it, from a directory only that uid controls.
-    A runtime directory another user could write (say a pre-created /tmp/kvtier-<uid>) could
-    point us at segments and a Redis full of forged blocks, so it is refused."""
-    path = rdir / DESCRIPTOR
-    try:
-        dst = rdir.stat()
-        fst = path.stat()
-        desc = read_json(path)
-    except (OSError, ValueError) as e:
-        raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
-    if dst.st_mode & 0o022 or fst.st_mode & 0o022 or fst.st_uid != dst.st_uid:
-        raise DaemonUnavailable(f"{path} or its directory is writable by others, or owned by another user; refusing")
-    return desc, fst.st_uid
-
-
-def library_logger():
-    """The client library's logger. If the application configured structlog, log through it;
-    otherwise through stdlib logging, which prints only warnings and errors (to stderr) unless
-    the application sets logging up: a library must not write to an inference worker's stdout."""
-    if structlog.is_configured():
-        return structlog.get_logger("kvtier.client")
-    return structlog.wrap_logger(
-        logging.getLogger("kvtier.client"),
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.KeyValueRenderer(key_order=["event", "level", "timestamp"])],
-        wrapper_class=structlog.stdlib.BoundLogger,
-    )
 
 
 class Client:
@@ -139,7 +108,7 @@ class Client:
             return
         self._next_check = now + DESCRIPTOR_CHECK_S
         try:
-            desc, uid = _read_descriptor(self._rdir)
+            desc, uid = read_descriptor(self._rdir)
             if desc.get("epoch") == self.desc.get("epoch") or desc.get("node") != self.node:
                 return
             pools = self._map_pools(desc, uid)
@@ -159,7 +128,7 @@ class Client:
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
         copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop."""
         rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
-        desc, daemon_uid = _read_descriptor(rdir)
+        desc, daemon_uid = read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
         opts = dict(socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)

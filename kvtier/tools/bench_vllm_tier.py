@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spawn", action="store_true", help="start a private redis-server and daemon for the run")
     args = ap.parse_args(argv)
     if args.spawn:
-        from kvtier.bench import Env
+        from kvtier.tools.bench_env import Env
 
         layout = dict(model="bench-vllm-tier", layers=1, kv_heads=1, head_dim=args.chunk_bytes // 2,
                       block_tokens=1, dtype="uint8")

@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "tests/vllm need vLLM: run them with .venv-vllm/bin/python -m pytest tests/vllm "
         "(make test-vllm creates that venv)") from e
 
-from kvtier.bench import pool_toml as bench_pool_toml
+from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.redis_proc import RedisProcess

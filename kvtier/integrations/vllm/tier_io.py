@@ -34,7 +34,7 @@ import redis.exceptions
 import torch
 
 from kvtier.client import Client
-from kvtier.client.client import library_logger
+from kvtier.client.discovery import library_logger
 from kvtier.errors import DaemonUnavailable, KvtierError, UnknownPool
 from kvtier.integrations.vllm.tier_chunks import PoolMismatch, pool_help, runs
 from kvtier.integrations.vllm.tier_stats import Counters, LogThrottle

@@ -1,0 +1,41 @@
+"""How a client finds its node's daemon, and how the client library logs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import structlog
+
+from kvtier.daemon.descriptor import DESCRIPTOR, read_json
+from kvtier.errors import DaemonUnavailable
+
+
+def read_descriptor(rdir: Path) -> tuple[dict, int]:
+    """The daemon's descriptor and the uid that owns it, from a directory only that uid controls.
+    A runtime directory another user could write (say a pre-created /tmp/kvtier-<uid>) could
+    point us at segments and a Redis full of forged blocks, so it is refused."""
+    path = rdir / DESCRIPTOR
+    try:
+        dst = rdir.stat()
+        fst = path.stat()
+        desc = read_json(path)
+    except (OSError, ValueError) as e:
+        raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
+    if dst.st_mode & 0o022 or fst.st_mode & 0o022 or fst.st_uid != dst.st_uid:
+        raise DaemonUnavailable(f"{path} or its directory is writable by others, or owned by another user; refusing")
+    return desc, fst.st_uid
+
+
+def library_logger():
+    """The client library's logger. If the application configured structlog, log through it;
+    otherwise through stdlib logging, which prints only warnings and errors (to stderr) unless
+    the application sets logging up: a library must not write to an inference worker's stdout."""
+    if structlog.is_configured():
+        return structlog.get_logger("kvtier.client")
+    return structlog.wrap_logger(
+        logging.getLogger("kvtier.client"),
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.KeyValueRenderer(key_order=["event", "level", "timestamp"])],
+        wrapper_class=structlog.stdlib.BoundLogger,
+    )
