@@ -10,6 +10,7 @@ vLLM then recomputes them (or fails the request, if `kv_load_failure_policy` say
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -142,17 +143,26 @@ class WorkerMover:
     def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int]) -> int:
         pages = self._pages
         step = pages[0].shape[1]
+        # A timed-out call returns while its copy threads may still run: past that point they
+        # must not write into pages vLLM will recompute (a page in flight is one 128 KiB copy).
+        abandoned = threading.Event()
 
         def copy_out(i: int, src) -> None:
             b = block_ids[i]
             for layer, p in enumerate(pages):
+                if abandoned.is_set():
+                    raise TimeoutError("the load was given up")
                 np.copyto(p[b], src[layer * step:(layer + 1) * step])
 
         def digest(i: int) -> int:
             b = block_ids[i]
             return checksum_parts(p[b] for p in pages)
 
-        return client.get_with(self.s.pool, keys, copy_out, digest, timeout=self.s.call_timeout_s)
+        try:
+            return client.get_with(self.s.pool, keys, copy_out, digest, timeout=self.s.call_timeout_s)
+        except BaseException:
+            abandoned.set()
+            raise
 
     # --- saves -----------------------------------------------------------------------------------
 
