@@ -46,7 +46,10 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     rec["a_stats"] = a.pool_stats(POOL)
     # Node B, another daemon on the same Redis, a cold engine: the prefix comes through Redis.
     b_before = b.pool_stats(POOL)
-    with EngineProcess(tiny_model, logs / "b.log", connector_config(POOL, b.runtime_dir)) as e:
+    # Its Redis lookup and the prefetch may take as long as they need here: this test is about
+    # where the blocks come from, not how fast (a slow CI machine must not make it a recompute).
+    with EngineProcess(tiny_model, logs / "b.log", connector_config(POOL, b.runtime_dir, redis_wait_ms=30_000,
+                                                                     lookup_timeout_ms=5_000)) as e:
         rec["b_p3"] = e.generate(P3)
     rec["b_before"], rec["b_stats"] = b_before, b.pool_stats(POOL)
     return rec

@@ -24,7 +24,7 @@ log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers
 class LinkCounters:
     """Monotonic counts, reported through vLLM's connector stats and the worker's log."""
 
-    lookups: int = 0
+    lookups: int = 0  # requests the scheduler looked up
     hit_blocks: int = 0  # blocks the scheduler promised vLLM it could load
     redis_blocks: int = 0  # of those, blocks that were first prefetched from Redis
     loaded_blocks: int = 0

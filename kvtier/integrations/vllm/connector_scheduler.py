@@ -13,12 +13,16 @@ a finished request's blocks are never held back (`request_finished` returns Fals
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
 from kvtier.integrations.vllm.connector_link import DaemonLink
+
+REPORT_S = 60.0
+log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,8 @@ class SchedulerPlanner:
         self.clock = clock
         self.block_size = ns.block_size
         self.reqs: dict[str, _Tracked] = {}
+        self._next_report = clock() + REPORT_S
+        self._reported: dict[str, int] = {}
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -79,6 +85,7 @@ class SchedulerPlanner:
             t = _Tracked(tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
                          None if lora is None else str(lora.lora_name))
             self.reqs[request.request_id] = t
+            self.link.counters.lookups += 1
         return t
 
     def _keys(self, client, t: _Tracked, n_blocks: int) -> list[list[bytes]]:
@@ -160,6 +167,7 @@ class SchedulerPlanner:
         self.link.counters.hit_blocks += t.load[1] - first
 
     def build(self, scheduler_output) -> TransferPlan:
+        self._report()
         plan = TransferPlan()
         for new in scheduler_output.scheduled_new_reqs:
             t = self.reqs.get(new.req_id)
@@ -199,3 +207,15 @@ class SchedulerPlanner:
 
     def finished(self, req_id: str) -> None:
         self.reqs.pop(req_id, None)
+
+    def _report(self) -> None:
+        """The scheduler's counts, one log line a minute when they moved (the workers' go to
+        vLLM's connector stats)."""
+        now = self.clock()
+        if now < self._next_report:
+            return
+        self._next_report = now + REPORT_S
+        counts = self.link.counters.as_dict()
+        if counts != self._reported:
+            self._reported = counts
+            log.info("kvtier: scheduler %s", " ".join(f"{k}={v}" for k, v in counts.items() if v))
