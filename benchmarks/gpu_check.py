@@ -218,7 +218,7 @@ def connector_copies(dev: torch.device, blocks: int = 24) -> None:
             src = tuple(int(i) for i in ids)
             saved = [c[list(src)].clone() for c in cpu_caches]  # the reference: what the save must carry
             mover.save([BlockTransfer("check", tokens, None, None, 0, src)])
-            keys = mover._keys(link.client(), BlockTransfer("check", tokens, None, None, 0, src))
+            keys = mover.chain_keys(link.client(), BlockTransfer("check", tokens, None, None, 0, src))
             check("6. connector save from device pages: every block visible in kvtier",
                   link.client().wait_resident("b", keys, timeout=60))
             dst = tuple(range(blocks + 1, 2 * blocks + 1))

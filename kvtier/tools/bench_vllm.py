@@ -71,7 +71,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
             tokens = torch.randint(0, 128_000, (n * bs,), generator=torch.Generator().manual_seed(r)).tolist()
             src_ids = tuple(range(1, n + 1))
             tr = BlockTransfer(f"bench-{r}", tuple(tokens), None, None, 0, src_ids)
-            keys = mover._keys(link.client(), tr)
+            keys = mover.chain_keys(link.client(), tr)
             # connector save: gather from the pages, stage, until the daemon made them visible
             t0 = time.perf_counter()
             mover.save([tr])

@@ -95,7 +95,8 @@ class WorkerMover:
             self.link.failed("layout", e)
             return None
 
-    def _keys(self, client, tr: BlockTransfer) -> list[bytes]:
+    def chain_keys(self, client, tr: BlockTransfer) -> list[bytes]:
+        """This rank's keys for every block of the transfer's tokens, from the first."""
         salt = rank_salt(self.ns, self.tp, self.pp, tr.cache_salt)
         return client.block_keys(self.s.pool, tr.token_ids, salt=salt, lora_id=tr.lora_name)
 
@@ -131,7 +132,7 @@ class WorkerMover:
         pool = self._usable(client)
         if pool is None:
             return 0
-        keys = self._keys(client, tr)[tr.first:tr.first + len(tr.block_ids)]
+        keys = self.chain_keys(client, tr)[tr.first:tr.first + len(tr.block_ids)]
         if self._pages is not None:
             return self._load_in_place(client, keys, tr.block_ids)
         buf = self._buffer(pool, len(keys))
@@ -175,7 +176,7 @@ class WorkerMover:
         if pool is None:
             return
         c = self.link.counters
-        keys = self._keys(client, tr)
+        keys = self.chain_keys(client, tr)
         todo = keys[tr.first:tr.first + len(tr.block_ids)]
         skip = client.lookup(self.s.pool, todo).length  # already on this node: nothing to hand over
         c.save_skipped_blocks += skip
