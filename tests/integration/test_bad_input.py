@@ -18,7 +18,7 @@ from kvtier.client import Client
 from kvtier.errors import BadRequest, UnknownPool
 from kvtier.tiers.redis_blocks import pack_block, redis_block_key
 from kvtier.tiers.slots import checksum
-from tests.integration.test_daemon import SHAPE, make_kv, same_bytes
+from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.integration

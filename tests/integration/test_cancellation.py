@@ -20,7 +20,7 @@ import torch
 from kvtier.client import Client, SyncClient
 from kvtier.tiers.redis_blocks import pack_block, redis_block_key
 from kvtier.tiers.slots import Flags, checksum
-from tests.integration.test_daemon import SHAPE, make_kv, same_bytes
+from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ from kvtier.bus.transport import BusStats, Consumer, Delivery, Publisher, REASON
 from kvtier.client import Client
 from kvtier.errors import MalformedEvent
 from kvtier.keys import BlockKey
-from tests.integration.test_daemon import SHAPE, make_kv, same_bytes
+from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.integration

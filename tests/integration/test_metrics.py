@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import Client
 from kvtier.daemon.metrics import BUS_COUNTERS
-from tests.integration.test_daemon import make_kv
+from tests.support.blocks import make_kv
 from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.integration

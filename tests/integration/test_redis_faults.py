@@ -21,7 +21,7 @@ import time
 import pytest
 
 from kvtier.client import Client
-from tests.integration.test_daemon import make_kv, same_bytes
+from tests.support.blocks import make_kv, same_bytes
 from tests.support.daemon_proc import DaemonProcess, write_config
 from tests.support.fault_proxy import FaultProxy
 from tests.support.waiting import async_wait_until, wait_until

@@ -13,7 +13,7 @@ import torch
 from kvtier.bus.events import Tier
 from kvtier.client import Client
 from kvtier.tiers.redis_blocks import redis_block_key
-from tests.integration.test_daemon import SHAPE, make_kv, put_chain, same_bytes
+from tests.support.blocks import SHAPE, make_kv, put_chain, same_bytes
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
