@@ -160,7 +160,7 @@ def daemon_on_gpu(dev: torch.device, n_gpu: int) -> None:
     if shutil.which("redis-server") is None:
         print("SKIP  5. daemon with a CUDA gpu tier: no redis-server on PATH (not counted as a pass)")
         return
-    from kvtier.bench import LLAMA
+    from kvtier.tools.bench import LLAMA
     from kvtier.tools.bench_env import Env
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -104,22 +104,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return run_vllm_bench(args)
     if args.prefill:
-        from kvtier.prefill import run_prefill
+        from kvtier.tools.prefill import run_prefill
 
         return run_prefill(args)
-    from kvtier.bench import run_bench
+    from kvtier.tools.bench import run_bench
 
     return run_bench(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvtier.demo import run_demo
+    from kvtier.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_demo_worker(args: argparse.Namespace) -> int:
-    from kvtier.demo import worker_main
+    from kvtier.tools.demo import worker_main
 
     return worker_main(args)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench import GB, render
+from kvtier.tools.bench import GB, render
 from kvtier.tools.bench_env import Env, pool_toml
 
 PAGED = dict(model="llama3-8b-vllm", layers=32, kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")

@@ -30,7 +30,7 @@ import time
 import pytest
 
 from kvtier.daemon.descriptor import DESCRIPTOR, read_json
-from kvtier.demo import expected_block
+from kvtier.tools.demo import expected_block
 from kvtier.tiers.segment import SHM_DIR, ShmSegment
 from kvtier.tiers.slots import Flags, Kind, SlotTable
 from tests.support.daemon_proc import READY_TIMEOUT_S

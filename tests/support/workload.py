@@ -28,7 +28,7 @@ def stop_demo_workers(workers: list[subprocess.Popen]) -> None:
 
 def demo_totals(report_dir: Path, n: int) -> dict:
     """The workers' reports, summed key by key."""
-    from kvtier.demo import sum_reports
+    from kvtier.tools.demo import sum_reports
 
     return sum_reports([json.loads((report_dir / f"w{i}.json").read_text()) for i in range(n)])
 

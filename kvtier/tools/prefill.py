@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.bench import LLAMA
+from kvtier.tools.bench import LLAMA
 from kvtier.tools.bench_env import Env
-from kvtier.demo import _progress, make_trace, shared_prompts, sum_reports
+from kvtier.tools.demo import make_trace, progress_line, shared_prompts, sum_reports
 from kvtier.layout import BlockLayout
 from kvtier.processes import die_with_parent, stop_processes
 
@@ -79,7 +79,7 @@ def _replay(env: Env, work: Path, trace: Path, args) -> tuple[list[dict], float]
                 alive[0].wait(timeout=2.0)  # a progress line every 2 s until all have finished
             except subprocess.TimeoutExpired:
                 pass
-            print(_progress(env.stats(), t0), flush=True)
+            print(progress_line(env.stats(), t0), flush=True)
     finally:
         stop_processes(workers, 5)  # only those still running: on a timeout or an error
     failed = [i for i, w in enumerate(workers) if w.returncode != 0]

@@ -168,7 +168,7 @@ def _wait_ready(sock: socket.socket, proc: subprocess.Popen) -> None:
     raise SystemExit("kvtier demo: the daemon did not report READY in time")
 
 
-def _progress(stats: dict, t0: float) -> str:
+def progress_line(stats: dict, t0: float) -> str:
     parts = [f"t={time.monotonic() - t0:5.1f}s"]
     for name, pool in stats.get("pools", {}).items():
         for tier in ("gpu", "cpu", "redis"):
@@ -234,7 +234,7 @@ def run_demo(args) -> int:
                         code = 1
                         print(f"kvtier demo: client {i} exited early ({_exit_reason(w.returncode)})", flush=True)
                 try:
-                    print(_progress(read_json(rdir / STATS), t0), flush=True)
+                    print(progress_line(read_json(rdir / STATS), t0), flush=True)
                 except (OSError, ValueError):
                     pass
         except KeyboardInterrupt:
