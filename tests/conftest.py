@@ -36,7 +36,8 @@ def redis_url(redis_server: RedisProcess) -> str:
 @pytest.fixture
 def daemon_factory(tmp_path, redis_url):
     """Start real daemons on the session's Redis; every one is stopped (or killed) at teardown."""
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     started: list[DaemonProcess] = []
     counter = iter(range(1000))

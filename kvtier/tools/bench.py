@@ -234,7 +234,7 @@ def directory_row(repeat: int, out: dict) -> None:
 
 
 def idle_row(env: Env, seconds: float, out: dict) -> None:
-    pid = env.daemon.pid
+    pid = env.daemon.proc.pid
 
     def cpu() -> float:
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()

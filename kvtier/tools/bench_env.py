@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 from kvtier.processes import die_with_parent, stop_processes
+from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 
 
 def pool_toml(name: str, layout: dict, device: str, gpu_blocks: int, cpu_blocks: int) -> str:
@@ -63,24 +61,12 @@ persist_arena = false
 listen = ""
 {policy_toml}
 """ + (pools_toml if pools_toml is not None else pool_toml("b", layout or {}, device, gpu_blocks, cpu_blocks)))
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(workdir / "n.sock"))
-        self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "daemon", "--config", str(cfg)],
-            env={**os.environ, "NOTIFY_SOCKET": str(workdir / "n.sock")},
-            stdout=open(workdir / "daemon.log", "w"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        self.notify.settimeout(0.5)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if b"READY=1" in self.notify.recv(4096):
-                    break
-            except TimeoutError:
-                pass
-            if self.daemon.poll() is not None or time.monotonic() > deadline:
-                tail = (workdir / "daemon.log").read_text()[-2000:]
-                self.close()
-                raise RuntimeError(f"the daemon did not start (exit code {self.daemon.returncode}):\n{tail}")
+        self.daemon = DaemonProcess(cfg, self.rdir, log_path=workdir / "daemon.log", tied=True)
+        try:
+            self.daemon.start(timeout=60)
+        except DaemonStartError:
+            self.close()
+            raise
 
     @staticmethod
     def wait_for(cond, what: str, timeout: float = 30) -> None:
@@ -97,7 +83,6 @@ listen = ""
             return {}
 
     def close(self) -> None:
-        stop_processes([self.daemon], 30)  # the daemon first: it still talks to the redis-server
+        self.daemon.stop_or_kill(30)  # the daemon first: it still talks to the redis-server
         if self.redis is not None:
             stop_processes([self.redis], 30)
-        self.notify.close()

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import numpy as np
 
 from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
 from kvtier.processes import die_with_parent, stop_processes
+from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 
 READY_TIMEOUT_S = 30.0
 
@@ -154,20 +154,6 @@ async def _worker(args, stop: dict) -> dict:
 # --- the orchestrator ----------------------------------------------------------------------------
 
 
-def _wait_ready(sock: socket.socket, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"kvtier demo: the daemon exited with {proc.returncode} before READY")
-        sock.settimeout(0.2)
-        try:
-            if b"READY=1" in sock.recv(4096):
-                return
-        except TimeoutError:
-            continue
-    raise SystemExit("kvtier demo: the daemon did not report READY in time")
-
-
 def progress_line(stats: dict, t0: float) -> str:
     parts = [f"t={time.monotonic() - t0:5.1f}s"]
     for name, pool in stats.get("pools", {}).items():
@@ -195,21 +181,20 @@ def run_demo(args) -> int:
         "KVTIER__DAEMON__PERSIST_ARENA": "false",
         "KVTIER__METRICS__LISTEN": "127.0.0.1:0",  # a free port, whatever else runs on this machine
         "KVTIER__LOG__FORMAT": "json",
-        "NOTIFY_SOCKET": str(rdir / "notify.sock"),
     })
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(rdir / "notify.sock"))
-    cmd = [sys.executable, "-m", "kvtier.cli", "daemon"] + (["--config", args.config] if args.config else [])
     log_path = rdir / "daemon.log"
     print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path})", flush=True)
-    # New sessions: Ctrl-C reaches the children only through us, in order. PDEATHSIG: if we are
+    # A new session: Ctrl-C reaches the children only through us, in order. Tied: if we are
     # killed outright, they go too.
-    daemon = subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True, preexec_fn=die_with_parent)
+    daemon = DaemonProcess(Path(args.config) if args.config else None, rdir, env, log_path=log_path,
+                           new_session=True, tied=True)
     workers: list[subprocess.Popen] = []
     code = 0
     try:
-        _wait_ready(notify, daemon)
+        try:
+            daemon.start(timeout=READY_TIMEOUT_S)
+        except DaemonStartError as e:
+            raise SystemExit(f"kvtier demo: {e}") from None
         pool = sorted(read_json(rdir / DESCRIPTOR)["pools"])[0]
         print(f"kvtier demo: daemon ready; {args.clients} clients on pool {pool!r} for {args.duration:.0f}s "
               "(Ctrl-C stops)", flush=True)
@@ -224,8 +209,8 @@ def run_demo(args) -> int:
         try:
             while time.monotonic() - t0 < args.duration:
                 time.sleep(1.0)
-                if daemon.poll() is not None:
-                    print(f"kvtier demo: the daemon exited with {daemon.returncode}; see {log_path}", flush=True)
+                if daemon.proc.poll() is not None:
+                    print(f"kvtier demo: the daemon exited with {daemon.proc.returncode}; see {log_path}", flush=True)
                     code = 1
                     break
                 for i, w in enumerate(workers):
@@ -244,9 +229,8 @@ def run_demo(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         stop_processes(workers, 15)
-        stop_processes([daemon], 30)
-        notify.close()
-    code = code or (daemon.returncode or 0)
+        daemon_code = daemon.stop_or_kill(30) if daemon.proc is not None else 1
+    code = code or (daemon_code or 0)
     code = _summary(rdir, len(workers)) or code
     if args.keep:
         print(f"kvtier demo: kept {rdir} (daemon.log, stats.json, client reports)")

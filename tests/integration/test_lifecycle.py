@@ -31,7 +31,8 @@ def test_ready_then_sigterm_gives_stopping_and_exit_zero(daemon_factory):
 
 
 def test_watchdog_pings_flow_when_systemd_asks(tmp_path, redis_url):
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     cfg = write_config(tmp_path, node=f"dog-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}", env={"WATCHDOG_USEC": "200000"}).start()
@@ -43,7 +44,8 @@ def test_watchdog_pings_flow_when_systemd_asks(tmp_path, redis_url):
 
 def test_embedded_redis_default_serves_and_cleans_up(tmp_path):
     """No Redis URL: the daemon starts its own redis-server on a unix socket in the runtime dir."""
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     cfg = write_config(tmp_path, node=f"emb-{uuid.uuid4().hex[:8]}", redis_url="")
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start()
@@ -58,7 +60,8 @@ def test_embedded_redis_default_serves_and_cleans_up(tmp_path):
 
 
 def test_a_second_daemon_with_the_same_node_id_is_refused(daemon_factory, tmp_path, redis_url):
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     first = daemon_factory(node="twin")
     other = tmp_path / "other"
@@ -87,7 +90,8 @@ def test_config_with_a_typo_is_refused_with_the_key_named(tmp_path):
 
 
 def test_unreachable_redis_fails_start_with_a_clear_error(tmp_path):
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     cfg = write_config(tmp_path, node=f"nored-{uuid.uuid4().hex[:8]}", redis_url=f"unix://{tmp_path}/nothing-here.sock")
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start(wait_ready=False)
@@ -102,7 +106,8 @@ def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
     a wrong password stops the start with a clear error that does not print the password."""
     import asyncio
 
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
     from tests.support.workload import put_get_roundtrip
 
     admin = redis_server.client()
@@ -134,7 +139,8 @@ def test_a_squatter_segment_under_our_name_is_refused_never_attached(tmp_path, r
     """Someone else pre-created the segment the daemon is about to create (the directory, or the
     cpu arena it would re-attach): the start fails with the reason, and the squatter's file is
     left untouched (neither attached, nor unlinked and replaced)."""
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     cfg = write_config(tmp_path, node=f"squat-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
     path = Path("/dev/shm") / f"kvtier.{cfg.stem}.t.{part}"
@@ -162,7 +168,8 @@ def test_watchdog_pings_stop_while_the_event_loop_is_blocked(tmp_path, redis_url
     import time
 
     from kvtier.failpoints import BLOCK_S
-    from tests.support.daemon_proc import DaemonProcess, write_config
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
 
     cfg = write_config(tmp_path, node=f"stall-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}",

@@ -22,7 +22,8 @@ import pytest
 
 from kvtier.client import Client
 from tests.support.blocks import make_kv, same_bytes
-from tests.support.daemon_proc import DaemonProcess, write_config
+from kvtier.tools.daemon_process import DaemonProcess
+from tests.support.daemon_proc import write_config
 from tests.support.fault_proxy import FaultProxy
 from tests.support.waiting import async_wait_until, wait_until
 from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support.daemon_proc import DaemonProcess, write_config
+from kvtier.tools.daemon_process import DaemonProcess
+from tests.support.daemon_proc import write_config
 from tests.support.waiting import wait_until
 from tests.support.workload import put_get_roundtrip
 

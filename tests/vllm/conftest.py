@@ -20,8 +20,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "(make test-vllm creates that venv)") from e
 
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
+from kvtier.tools.daemon_process import DaemonProcess
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
-from tests.support.daemon_proc import DaemonProcess, write_config
+from tests.support.daemon_proc import write_config
 from tests.support.redis_proc import RedisProcess
 
 POOL = "tiny"
