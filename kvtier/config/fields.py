@@ -2,7 +2,7 @@
 
 Each config field is declared with `setting(check, default)`. The check converts a raw TOML or
 environment value into the field's type, or raises `Invalid` with a message that completes
-"<dotted.key>: ...". The loader in `kvtier.config` walks the dataclass fields, so the schema,
+"<dotted.key>: ...". The loader (`kvtier.config.loader`) walks the dataclass fields, so the schema,
 the defaults and the documentation of a key live in one place.
 """
 

@@ -1,0 +1,35 @@
+"""The kvtier configuration: one frozen dataclass tree, loaded once.
+
+Sources, later wins: built-in defaults, a TOML file, then environment variables
+`KVTIER__<SECTION>__<KEY>` and `KVTIER__POOLS__<NAME>__<KEY>`. Everything wrong with the
+result is collected and raised together as one `ConfigError`, so an operator fixes a config in
+one pass. `loader` is the only module that reads the environment, and only through the mapping
+handed to `load_config`.
+
+Modules: `fields` (value checks), `schema` (the dataclass tree), `loader` (file + environment ->
+Config), `render` (Config -> dict or TOML). Import from here.
+"""
+
+from kvtier.config.loader import default_runtime_dir, load_config
+from kvtier.config.render import config_to_dict, format_config, redact_url
+from kvtier.config.schema import (
+    DEMO_POOL,
+    ENV_PREFIX,
+    BusConfig,
+    Config,
+    ConfigError,
+    DaemonConfig,
+    EmbeddedRedisConfig,
+    LogConfig,
+    MetricsConfig,
+    NodeConfig,
+    PolicyConfig,
+    PoolConfig,
+    RedisConfig,
+)
+
+__all__ = [
+    "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
+    "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "RedisConfig",
+    "config_to_dict", "default_runtime_dir", "format_config", "load_config", "redact_url",
+]

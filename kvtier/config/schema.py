@@ -1,0 +1,182 @@
+"""The config tree: one frozen dataclass per section, each field declared with its check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config.fields import (
+    NAME_PATTERN,
+    NAME_WHAT,
+    absolute_path,
+    boolean,
+    choice,
+    eviction_policy,
+    integer,
+    number,
+    setting,
+    size,
+    string,
+)
+from kvtier.errors import KvtierError
+from kvtier.failpoints import SPEC as FAILPOINT
+from kvtier.layout import DTYPE_BYTES
+
+
+ENV_PREFIX = "KVTIER__"
+_REDIS_URL = r"(rediss?|unix)://\S+"
+_DEVICE = r"auto|cpu|cuda(:[0-9]+)?"
+
+
+class ConfigError(KvtierError):
+    """The configuration is invalid. `problems` holds one line per problem, key first."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(self.problems)
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    # id and runtime_dir have no static default: the loader derives them from the host.
+    id: str = setting(string(NAME_PATTERN, NAME_WHAT, empty_ok=False), text=True)
+    runtime_dir: Path = setting(absolute_path(), text=True)
+    shm_group: str = setting(string(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}", "a group name"), "",
+                             text=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = setting(choice("debug", "info", "warning", "error"), "info", text=True)
+    format: str = setting(choice("auto", "json", "console"), "auto", text=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str = setting(string(_REDIS_URL, "a redis://, rediss:// or unix:// URL"), "", text=True)
+    bus_url: str = setting(string(_REDIS_URL, "a redis://, rediss:// or unix:// URL"), "",
+                           text=True)
+    socket_timeout_s: float = setting(number(gt=0), 5.0)
+    connect_timeout_s: float = setting(number(gt=0), 2.0)
+    retries: int = setting(integer(0), 3)
+    block_ttl_s: int = setting(integer(0), 86400)
+    # A tier worker sends a batch's Redis reads and writes as pipelines of at most this many
+    # payload bytes each.
+    pipeline_bytes: int = setting(size(), 64 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedRedisConfig:
+    binary: str = setting(string(empty_ok=False), "redis-server", text=True)
+    maxmemory: str = setting(string(r"(?i)[0-9]+(b|k|kb|m|mb|g|gb)?", "a size like '256mb'",
+                                    empty_ok=False), "256mb", text=True)
+    maxmemory_policy: str = setting(eviction_policy(), "volatile-lru", text=True)
+
+
+@dataclass(frozen=True, slots=True)
+class BusConfig:
+    stream_maxlen: int = setting(integer(1000), 100_000)
+    claim_idle_ms: int = setting(integer(1), 30_000)
+    max_deliveries: int = setting(integer(1), 5)
+    read_count: int = setting(integer(1, 10_000), 256)
+    block_ms: int = setting(integer(1, 60_000), 500)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    # The Prometheus endpoint, "host:port" ("" = off). Loopback by default: the numbers reveal
+    # traffic patterns, and scraping is meant for the node's own agent. Port 0 picks a free one
+    # (written to stats.json as metrics_url).
+    listen: str = setting(string(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}", "host:port"),
+                          "127.0.0.1:9464", text=True)
+    # How often stream lag and pending counts are sampled from Redis.
+    stream_sample_s: float = setting(number(gt=0), 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    shutdown_grace_s: float = setting(number(gt=0), 10.0)
+    stats_interval_s: float = setting(number(gt=0), 1.0)
+    persist_arena: bool = setting(boolean(), True)
+    watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
+    # Block copies at least this big run in a thread, off the event loop (0: every copy).
+    off_loop_copy_bytes: int = setting(size(), 256 << 10)
+    # The event loop: uvloop (faster), or asyncio's own (for debugging, and to measure uvloop).
+    event_loop: str = setting(choice("uvloop", "asyncio"), "uvloop", text=True)
+    # Threads that copy one batch's staged blocks into a tier at the same time (the copies and
+    # checksums release the GIL); 0 = min(4, CPU cores).
+    copy_threads: int = setting(integer(0, 64), 0)
+    # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
+    failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    high_watermark: float = setting(number(gt=0, le=1), 0.9)
+    low_watermark: float = setting(number(gt=0, le=1), 0.75)
+    promote_after_hits: int = setting(integer(1), 2)
+    prefetch_lease_s: float = setting(number(gt=0), 5.0)
+    transfer_timeout_s: float = setting(number(gt=0), 30.0)
+    redis_write: str = setting(choice("write-back", "write-through"), "write-back", text=True)
+    redis_admit_after_hits: int = setting(integer(0), 0)
+    prefetch_to: str = setting(choice("cpu", "gpu"), "cpu", text=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One model layout. `name` comes from the `[pools.<name>]` table key."""
+
+    name: str
+    model: str = setting(string(empty_ok=False), text=True)
+    layers: int = setting(integer(1))
+    kv_heads: int = setting(integer(1))
+    head_dim: int = setting(integer(1))
+    block_tokens: int = setting(integer(1), 16)
+    dtype: str = setting(choice(*DTYPE_BYTES), "bfloat16", text=True)
+    device: str = setting(string(_DEVICE, "'auto', 'cpu', 'cuda' or 'cuda:N'"), "auto", text=True)
+    gpu_blocks: int = setting(integer(0), 64)
+    cpu_blocks: int = setting(integer(1), 256)
+    # Capacity in bytes instead of blocks (0: use *_blocks): the loader sets *_blocks to how
+    # many whole blocks of this layout fit.
+    gpu_bytes: int = setting(size(), 0)
+    cpu_bytes: int = setting(size(), 0)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
+
+
+# Used only when neither the file nor the environment names any pool, so that
+# `kvtier daemon` with no config at all starts a small, working development node.
+DEMO_POOL = PoolConfig(name="demo", model="demo", layers=4, kv_heads=2, head_dim=64,
+                       block_tokens=16, dtype="float16", gpu_blocks=32, cpu_blocks=128)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    node: NodeConfig
+    log: LogConfig
+    redis: RedisConfig
+    embedded_redis: EmbeddedRedisConfig
+    bus: BusConfig
+    daemon: DaemonConfig
+    metrics: MetricsConfig
+    policy: PolicyConfig
+    pools: tuple[PoolConfig, ...]
+
+
+SECTIONS: dict[str, type] = {
+    "node": NodeConfig,
+    "log": LogConfig,
+    "redis": RedisConfig,
+    "embedded_redis": EmbeddedRedisConfig,
+    "bus": BusConfig,
+    "daemon": DaemonConfig,
+    "metrics": MetricsConfig,
+    "policy": PolicyConfig,
+}
+
+Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it
