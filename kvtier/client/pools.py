@@ -219,14 +219,14 @@ class ClientPool:
         if self.staging is not None:
             for b in staged:
                 if (g := self.staging.gen(b.slot)) % 2:
-                    self.staging.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.FREE)
+                    self.staging.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
                 else:
-                    self.staging.set_flags(b.slot, Flags.FREE)
+                    self.staging.set_flags(b.slot, Flags.EMPTY)
 
     def _free_slot(self, table: SlotTable) -> int | None:
         for i in range(table.n):
             slot = (self._cursor + i) % table.n
-            if table.flags(slot) == Flags.FREE and table.gen(slot) % 2 == 0:
+            if table.flags(slot) == Flags.EMPTY and table.gen(slot) % 2 == 0:
                 self._cursor = slot + 1
                 return slot
         # None free. A slot the daemon has not released for STAGING_RECLAIM_S belongs to a put it

@@ -75,11 +75,11 @@ class StagingFile:
         return h.checksum if checksum(dst) == h.checksum else None
 
     def release(self, slot: int, gen: int) -> bool:
-        """Mark the slot FREE for its client, unless the client has already rewritten it."""
+        """Mark the slot EMPTY (free for its client), unless the client has already rewritten it."""
         h = self.header(slot)
         if h is None or h.gen != gen:
             return False
-        os.pwrite(self.fd, Flags.FREE.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + _FLAGS_OFF)
+        os.pwrite(self.fd, Flags.EMPTY.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + _FLAGS_OFF)
         return True
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -42,17 +43,20 @@ LAYOUT_VERSION = 1
 EMPTY_KEY = bytes(32)
 
 
-class Kind:
+class Kind(IntEnum):
+    """What a segment holds (its header says so; a reader checks it)."""
+
     ARENA = 1  # cpu tier (and the gpu tier when it runs on the CPU)
     GPU_HEADERS = 2  # headers only: the payload is a CUDA tensor shared by IPC
     STAGING = 3  # a client's outbox for put
 
 
-class Flags:
-    EMPTY = 0
+class Flags(IntEnum):
+    """A slot's state, one value per meaning (arena and staging slots share the header)."""
+
+    EMPTY = 0  # no block: an arena slot not in use; a staging slot its client may write
     VALID = 1  # arena: the slot holds a visible block
     READY = 2  # staging: written by the client, waiting for the daemon
-    FREE = 0  # staging: consumed (or never used); the client may write it
 
 
 class SlotHeader(NamedTuple):

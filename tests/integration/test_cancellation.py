@@ -171,7 +171,7 @@ async def test_cancelled_calls_never_get_another_callers_data(daemon_factory, re
             assert await client.wait_resident("t", keys, timeout=10)
             # No staging slot leaks: the daemon frees what it stored, a cancelled put frees its own.
             staging = client.pool("t").staging
-            await async_wait_until(lambda: all(staging.flags(s) == Flags.FREE for s in range(staging.n)),
+            await async_wait_until(lambda: all(staging.flags(s) == Flags.EMPTY for s in range(staging.n)),
                                    timeout=10, message="every staging slot free again")
         assert d.alive
     finally:
