@@ -28,7 +28,14 @@ from kvtier.tiers.directory import IN_REDIS
 from kvtier.tiers.fence import CommandFence
 from kvtier.tiers.index import Entry
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.policy import DROP_REASONS
+from kvtier.tiers.eviction import (
+    REFUSED,
+    Verdict,
+    after_local_drop,
+    after_redis_check,
+    evict_verdict,
+    forget_redis_copy,
+)
 from kvtier.tiers.pool import PoolRuntime
 
 if TYPE_CHECKING:
@@ -399,16 +406,12 @@ class TierWorker:
         return present
 
     def _forget_redis(self, rt: PoolRuntime, key: bytes) -> None:
-        rt.placement.tiers[Tier.REDIS].remove(key)
+        forget_redis_copy(rt.placement, key)
         rt.directory.set_flag(key, IN_REDIS, False)
 
     def _drop(self, rt: PoolRuntime, local: LocalTier, key: bytes) -> None:
-        """Drop a local copy. Once no local tier holds the block, stop tracking its Redis copy
-        too: the daemon only needs to know about Redis for blocks it might drop locally, and
-        that keeps the record bounded by local capacity."""
         local.drop(key)
-        if all(rt.placement.tiers[t].get(key) is None for t in (Tier.GPU, Tier.CPU)):
-            rt.placement.tiers[Tier.REDIS].remove(key)
+        after_local_drop(rt.placement, key)
 
     # --- evict ------------------------------------------------------------------------------------
 
@@ -425,33 +428,21 @@ class TierWorker:
             c.evicted += 1
             return Removed(rt.name, ev.key, self.tier, f"evict:{ev.reason}")
         local = rt.local(self.tier)
-        entry = None if local is None else local.index.get(ev.key)
-        if entry is None:
-            return None  # already gone: a duplicate
-        if not entry.leaving:
-            # A late or redelivered command: the policy chose this block to leave, but it has
-            # since stayed (a child arrived, the move failed) or come back. Not ours to drop.
-            c.stale += 1
+        if local is None:
             return None
-        if (local.index.children(ev.key) or entry.pins > 1
-                or (self.tier == Tier.CPU and rt.placement.tiers[Tier.GPU].children(ev.key))):
-            # Decided a moment ago, but a child has arrived (here, or in gpu for a cpu block) or a
-            # reader holds it since: tail first, and pins are honoured at the moment of eviction,
-            # not only at the moment of choice.
+        verdict = evict_verdict(rt.placement, self.tier, ev.key, ev.reason)
+        if verdict is Verdict.ASK_REDIS:
+            verdict = after_redis_check(await self._redis_has(rt, ev.key), ev.reason)
+        if verdict in (Verdict.GONE, Verdict.STALE):
+            c.stale += verdict is Verdict.STALE
+            return None
+        if verdict in REFUSED:
+            # BUSY: a child arrived or a reader pins it since the choice. ONLY_COPY: refuse rather
+            # than lose it; the policy may choose it again later, and will then demote it first.
             rt.placement.refused(self.tier, ev.key)
             c.refused += 1
-            return None
-        # Safe when a lower tier holds it: cpu (for gpu), or Redis, confirmed there first.
-        safe = self.tier == Tier.GPU and ev.key in rt.placement.tiers[Tier.CPU]
-        if not safe and ev.key in rt.placement.tiers[Tier.REDIS]:
-            safe = await self._redis_has(rt, ev.key)
-        safe = safe or ev.reason in DROP_REASONS  # a documented drop (the frequency filter)
-        if not safe:
-            # The only copy: refuse rather than lose it. The policy may choose it again later,
-            # and will then demote it first.
-            rt.placement.refused(self.tier, ev.key)
-            c.refused += 1
-            self.log.warning("tier.evict_refused", pool=rt.name, key=ev.key.hex()[:16], reason=ev.reason)
+            if verdict is Verdict.ONLY_COPY:
+                self.log.warning("tier.evict_refused", pool=rt.name, key=ev.key.hex()[:16], reason=ev.reason)
             return None
         self._drop(rt, local, ev.key)
         c.evicted += 1

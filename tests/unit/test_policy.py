@@ -3,30 +3,7 @@
 from __future__ import annotations
 
 from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
-from kvtier.tiers.index import TierIndex
-from kvtier.tiers.policy import Placement, PolicyKnobs
-
-POOL = "llama-8b"
-NOW = 1000.0  # the policy never reads the clock; tests pass time in
-TIMEOUT = 30.0  # PolicyKnobs.transfer_timeout_s default
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(32, "big")
-
-
-def placement(gpu: int = 10, cpu: int = 10, **knobs) -> Placement:
-    tiers = {Tier.GPU: TierIndex(gpu), Tier.CPU: TierIndex(cpu), Tier.REDIS: TierIndex(None)}
-    return Placement(POOL, tiers, PolicyKnobs(**knobs))
-
-
-def put(p: Placement, tier: Tier, ids, chain: bool = False) -> None:
-    """Add READY blocks to `tier`, oldest first; as one chain when `chain`."""
-    parent = None
-    for i in ids:
-        assert p.tiers[tier].add(k(i), parent if chain else None) is not None
-        parent = k(i)
-
+from tests.support.placement import NOW, POOL, TIMEOUT, k, placement, put
 
 # --- admit ---------------------------------------------------------------------------------------
 # With no local room a put goes straight to Redis (policy.py docstring); kept in one place.

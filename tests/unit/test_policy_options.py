@@ -6,7 +6,7 @@ from kvtier.bus.codec import decode, encode
 from kvtier.bus.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
 from kvtier.config import load_config
 from kvtier.tiers.policy import DROP_REASONS, RedisWrite
-from tests.unit.test_policy import NOW, POOL, k, placement, put
+from tests.support.placement import NOW, POOL, k, placement, put
 
 THROUGH = RedisWrite.WRITE_THROUGH
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.tiers.eviction import REFUSED, Verdict, after_redis_check, evict_verdict
 from kvtier.tiers.index import State, TierIndex
 from kvtier.tiers.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
 
@@ -181,27 +182,24 @@ class PolicyMachine(RuleBasedStateMachine):
             self.data[REDIS].pop(c.key, None)
             self.idx[REDIS].remove(c.key)
             return Removed(POOL, c.key, REDIS, f"evict:{c.reason}")
-        if (e := self.idx[c.tier].get(c.key)) is None:
-            return None  # already gone: a duplicate
-        if not e.leaving:  # late or redelivered: the block stayed or came back
+        # The worker's own rules (kvtier/tiers/eviction.py): gone, stale, busy, safe or the only copy.
+        verdict = evict_verdict(self.p, c.tier, c.key, c.reason)
+        in_redis = False
+        if verdict is Verdict.ASK_REDIS:
+            in_redis = self.redis_has(c.key)
+            verdict = after_redis_check(in_redis, c.reason)
+        if verdict in (Verdict.GONE, Verdict.STALE):
             return None
-        if (self.idx[c.tier].children(c.key) or e.pins > 1  # tail first; pins honoured
-                or (c.tier == CPU and self.idx[GPU].children(c.key))):
+        if verdict in REFUSED:
             self.p.refused(c.tier, c.key)
             return None
-        safe = c.tier == GPU and c.key in self.idx[CPU]
-        if not safe and c.key in self.idx[REDIS]:
-            safe = self.redis_has(c.key)
-        if not safe and c.reason in DROP_REASONS:  # the frequency filter drops an unread block
+        if not ((c.tier == GPU and c.key in self.idx[CPU]) or in_redis):  # a documented drop (the frequency filter): only of a block read too little
+            assert c.reason in DROP_REASONS, f"{c}: dropped the only copy"
             n = self.knobs.redis_admit_after_hits
             assert all(x.hits < n for t in LOCAL if (x := self.idx[t].get(c.key))), \
                 f"{c.reason} drop of a block read {n} times"
-            safe = True
             if all(c.key not in self.data[t] for t in Tier if t != c.tier):
                 self.stored.discard(c.key)  # gone by a documented rule
-        if not safe:  # the only copy: refuse
-            self.p.refused(c.tier, c.key)
-            return None
         self.drop(c.tier, c.key, c.reason)
         return Removed(POOL, c.key, c.tier, f"evict:{c.reason}")
 

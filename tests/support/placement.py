@@ -1,0 +1,28 @@
+"""Placements for the policy's unit tests: small tier indices and blocks named by number."""
+
+from __future__ import annotations
+
+from kvtier.bus.events import Tier
+from kvtier.tiers.index import TierIndex
+from kvtier.tiers.policy import Placement, PolicyKnobs
+
+POOL = "llama-8b"
+NOW = 1000.0  # the policy never reads the clock; tests pass time in
+TIMEOUT = 30.0  # PolicyKnobs.transfer_timeout_s default
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def placement(gpu: int = 10, cpu: int = 10, **knobs) -> Placement:
+    tiers = {Tier.GPU: TierIndex(gpu), Tier.CPU: TierIndex(cpu), Tier.REDIS: TierIndex(None)}
+    return Placement(POOL, tiers, PolicyKnobs(**knobs))
+
+
+def put(p: Placement, tier: Tier, ids, chain: bool = False) -> None:
+    """Add READY blocks to `tier`, oldest first; as one chain when `chain`."""
+    parent = None
+    for i in ids:
+        assert p.tiers[tier].add(k(i), parent if chain else None) is not None
+        parent = k(i)
