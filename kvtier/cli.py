@@ -8,9 +8,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from kvtier.config import ConfigError, default_runtime_dir, format_config, load_config
+from kvtier.config import ConfigError, format_config, load_config, runtime_dir_for
 
 
 def _load(path: str | None):
@@ -76,7 +75,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvtier.daemon.descriptor import STATS, read_json
     from kvtier.status import render_status
 
-    rdir = Path(args.runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
+    rdir = runtime_dir_for(args.runtime_dir, os.environ)
     prev, shown = None, 0
     try:
         while True:

@@ -23,7 +23,7 @@ from kvtier.bus.connect import make_redis
 from kvtier.bus.events import Access, Prefetch, Put, Tier
 from kvtier.bus.transport import BusStats, Publisher
 from kvtier.client.pools import ClientPool, host_rows
-from kvtier.config import default_runtime_dir
+from kvtier.config import runtime_dir_for
 from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.daemon.descriptor import DESCRIPTOR
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
@@ -127,7 +127,7 @@ class Client:
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
         copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop."""
-        rdir = Path(runtime_dir or os.environ.get("KVTIER__NODE__RUNTIME_DIR") or default_runtime_dir(os.environ))
+        rdir = runtime_dir_for(runtime_dir, os.environ)
         desc, daemon_uid = read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")

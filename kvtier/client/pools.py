@@ -275,11 +275,9 @@ class ClientPool:
 
     def _close_now(self) -> None:
         if self.staging is not None:
-            self.staging._payloads = None
-            self.staging.seg.close()
+            self.staging.close()
             self.staging.seg.unlink()
             self.staging = None
         for table in self.tables.values():
-            table._payloads = None
-            table.seg.close()
+            table.close()
         self.directory.seg.close()

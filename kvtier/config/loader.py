@@ -62,6 +62,12 @@ def load_config(path: str | os.PathLike[str] | None,
     return Config(**sections, pools=tuple(pools))
 
 
+def runtime_dir_for(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
+    """The runtime directory a client or `kvtier status` looks in: the one given, else
+    $KVTIER__NODE__RUNTIME_DIR, else the daemon's default."""
+    return Path(explicit or environ.get(f"{ENV_PREFIX}NODE__RUNTIME_DIR") or default_runtime_dir(environ))
+
+
 def default_runtime_dir(environ: Mapping[str, str]) -> Path:
     """Where the daemon publishes its descriptor when [node] runtime_dir is not set."""
     if os.geteuid() == 0:

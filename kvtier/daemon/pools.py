@@ -138,8 +138,7 @@ def close_pool(rt: PoolRuntime, persist_arena: bool) -> None:
         if t is None:
             continue
         t.device_payload = None
-        t.table._payloads = None
-        t.table.seg.close()
+        t.table.close()
         if t is rt.gpu or not persist_arena:
             t.table.seg.unlink()
     rt.directory.seg.close()

@@ -157,6 +157,12 @@ class SlotTable:
     def owner_pid(self) -> int:
         return SEG.unpack_from(self.seg.buf, 0)[8]
 
+    def close(self) -> None:
+        """Drop the payload view, then unmap the segment (the view must go first: a live numpy
+        view keeps the mapping exported and close() would fail)."""
+        self._payloads = None
+        self.seg.close()
+
     # --- payload views -------------------------------------------------------------------------
 
     def payloads(self) -> np.ndarray:
