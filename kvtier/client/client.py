@@ -23,8 +23,8 @@ from kvtier.bus.connect import make_redis
 from kvtier.bus.events import Access, Prefetch, Put, Tier
 from kvtier.bus.transport import BusStats, Publisher
 from kvtier.client.pools import ClientPool, host_rows
-from kvtier.config import runtime_dir_for
 from kvtier.client.discovery import library_logger, read_descriptor
+from kvtier.config import runtime_dir_for
 from kvtier.daemon.descriptor import DESCRIPTOR
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
@@ -245,11 +245,7 @@ class Client:
         with p.in_use():
             ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes,
                                   threads=1 if out.device.type != "cpu" else None)
-        n = next((i for i, hit in enumerate(ok) if not hit), len(keys))
-        self.stats.reads += n
-        self.stats.read_misses += len(keys) - n
-        self._note_access(pool, keys[:n], len(keys) - n)
-        return n
+        return self._read_prefix(pool, keys, ok)
 
     async def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, np.ndarray], None],
                        digest: Callable[[int], int]) -> int:
@@ -265,6 +261,10 @@ class Client:
 
         with p.in_use():
             ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes)
+        return self._read_prefix(pool, keys, ok)
+
+    def _read_prefix(self, pool: str, keys: list[BlockKey], ok: list[bool]) -> int:
+        """How many leading blocks were read; counted, and reported to the daemon."""
         n = next((i for i, hit in enumerate(ok) if not hit), len(keys))
         self.stats.reads += n
         self.stats.read_misses += len(keys) - n
@@ -288,16 +288,12 @@ class Client:
         once is dropped and counted."""
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
-        rows = None
 
-        def write(i: int, b):
-            return p.fill_slot(b, rows[i])
+        def writer(n: int):
+            rows = host_rows(kv, n)  # only the staged blocks leave a GPU
+            return lambda i, b: p.fill_slot(b, rows[i])
 
-        def prepare(n: int) -> None:
-            nonlocal rows
-            rows = host_rows(kv, n)
-
-        return await self._put(p, keys, parent, write, prepare)
+        return await self._put(p, keys, parent, writer)
 
     async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, np.ndarray], None], *,
                        parent: bytes | None = None) -> PutResult:
@@ -305,9 +301,10 @@ class Client:
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
         `fill` may run in the client's copy threads, several blocks side by side."""
         p = self.pool(pool)
-        return await self._put(p, keys, parent, lambda i, b: p.fill_slot_with(b, lambda dst: fill(i, dst)), None)
+        return await self._put(p, keys, parent, lambda n: lambda i, b: p.fill_slot_with(b, lambda dst: fill(i, dst)))
 
-    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, write, prepare) -> PutResult:
+    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer) -> PutResult:
+        """Stage what fits, filled by writer(n_staged)(i, slot) in copy threads, then publish."""
         pool = p.name
         keys = [check_key(k) for k in keys]
         parent = None if parent is None else check_key(parent)
@@ -317,8 +314,7 @@ class Client:
         segment = p.staging.seg.name  # p may be closed (daemon restarted) while the copies run
         if staged:
             try:
-                if prepare is not None:
-                    prepare(len(staged))
+                write = writer(len(staged))
                 with p.in_use():
                     parts = await self._copy(lambda share: [write(i, b) for i, b in share],
                                              list(enumerate(staged)), len(staged) * p.block_bytes)

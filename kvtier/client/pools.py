@@ -125,7 +125,7 @@ class ClientPool:
     def read_with(self, key: bytes, copy_out, digest) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block
         only in a CUDA gpu tier is a miss here."""
-        return any(table.read_with(slot, key, copy_out, digest) for tier, table, slot in self._slots(key)
+        return any(table.read_with(slot, key, copy_out, digest) is not None for tier, table, slot in self._slots(key)
                    if not (tier == Tier.GPU and self.gpu_device_payload is not None))
 
     def _pinned(self) -> torch.Tensor:

@@ -255,25 +255,17 @@ class SlotTable:
 
     def read_into(self, slot: int, key: bytes, dst: np.ndarray, flags: int = Flags.VALID) -> int | None:
         """Copy the block into `dst` (uint8, block_bytes) and verify it. Returns its checksum or None."""
-        snap = self.begin_read(slot, key, flags)
-        if snap is None:
-            return None
-        gen, csum = snap
-        np.copyto(dst, self.payloads()[slot, : self.block_bytes])
-        if not self.end_read(slot, gen, key):
-            return None
-        if checksum(dst) != csum:
-            return None
-        return csum
+        return self.read_with(slot, key, lambda src: np.copyto(dst, src), lambda: checksum(dst), flags)
 
-    def read_with(self, slot: int, key: bytes, copy_out, digest, flags: int = Flags.VALID) -> bool:
-        """read_into for a destination that is not one array (vLLM's per-layer pages):
-        `copy_out(src)` copies the payload out, then `digest()` hashes what landed, in payload
-        order. Verified the same way: a torn or replaced block is a miss, and the caller must
-        not use what copy_out wrote."""
+    def read_with(self, slot: int, key: bytes, copy_out, digest, flags: int = Flags.VALID) -> int | None:
+        """The seqlock read: `copy_out(src)` copies the payload out (one array, or vLLM's per-layer
+        pages), then `digest()` hashes what landed, in payload order. Returns the checksum, or
+        None for a torn, replaced or corrupt block, whose copied bytes the caller must not use."""
         snap = self.begin_read(slot, key, flags)
         if snap is None:
-            return False
+            return None
         gen, csum = snap
         copy_out(self.payloads()[slot, : self.block_bytes])
-        return self.end_read(slot, gen, key) and digest() == csum
+        if not self.end_read(slot, gen, key) or digest() != csum:
+            return None
+        return csum

@@ -101,13 +101,23 @@ class WorkerMover:
         return client.block_keys(self.s.pool, tr.token_ids, salt=salt, lora_id=tr.lora_name)
 
     def _buffer(self, pool, n: int) -> torch.Tensor:
-        """n blocks of scratch for loads, reused: a fresh one per step would page-fault its whole
-        size (it did: a fresh buffer made saves run at a tenth of Client.put)."""
+        """n blocks of scratch for loads through a buffer (CUDA, strided pages), reused: a fresh
+        one per step page-faults its whole size (measured: a tenth of the bound)."""
         shape = (n, *pool.shape)
         buf = self._scratch
         if buf is None or buf.shape[0] < n or buf.shape[1:] != shape[1:] or buf.dtype != pool.dtype:
             buf = self._scratch = torch.empty(shape, dtype=pool.dtype, device=self.caches[0].device)
         return buf[:n]
+
+    def _copy_pages_out(self, b: int, dst) -> None:
+        """vLLM block b's page of every layer into dst (uint8, block_bytes: a staging slot)."""
+        if self._pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
+            step = self._pages[0].shape[1]
+            for layer, p in enumerate(self._pages):
+                np.copyto(dst[layer * step:(layer + 1) * step], p[b])
+        else:
+            view = torch.from_numpy(dst).view(self.caches[0].dtype).view(len(self.caches), *self.page)
+            copy_block(self.caches, b, view)
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
@@ -184,20 +194,9 @@ class WorkerMover:
         if not todo:
             return
         start = tr.first + skip
-        caches, layers, page, dtype = self.caches, len(self.caches), self.page, self.caches[0].dtype
-
-        pages = self._pages
 
         def filler(off: int):
-            def fill(i: int, dst) -> None:  # straight from vLLM's pages into the staging slot
-                b = ids[off + i]
-                if pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
-                    step = pages[0].shape[1]
-                    for layer, p in enumerate(pages):
-                        np.copyto(dst[layer * step:(layer + 1) * step], p[b])
-                else:
-                    copy_block(caches, b, torch.from_numpy(dst).view(dtype).view(layers, *page))
-            return fill
+            return lambda i, dst: self._copy_pages_out(ids[off + i], dst)
 
         # vLLM may free these pages once this step ends, so the bytes must be staged now. Staging
         # slots the daemon has not drained yet are waited for, up to save_wait_s; what is still
