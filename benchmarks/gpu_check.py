@@ -6,7 +6,7 @@
    every return code checked, and unregistered again.
 2. H2D and D2H copies of 2 MiB blocks from and to the registered arena, against a plain pinned
    buffer copy of the same bytes (GB/s, ratio), and checked byte for byte against the CPU copy.
-3. A device pool exported with kvtier's CUDA IPC descriptor (kvtier/tiers/gpu.py) and read by a
+3. A device pool exported with kvtier's CUDA IPC descriptor (kvtier/shm/cuda_ipc.py) and read by a
    second process, which checks every block's checksum.
 4. The gpu tier itself: a LocalTier on a device payload writes and reads back verified blocks.
 5. The whole data path on a real GPU pool: a daemon whose gpu tier is on CUDA (on a private
@@ -41,14 +41,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.bus.events import Tier  # noqa: E402
+from kvtier.core.events import Tier  # noqa: E402
 from kvtier.layout import BlockLayout  # noqa: E402
-from kvtier.tiers import gpu as gpu_mem  # noqa: E402
-from kvtier.tiers.directory import NO_SLOT, DirectoryWriter, directory_bytes, directory_capacity  # noqa: E402
-from kvtier.tiers.index import TierIndex  # noqa: E402
+from kvtier.shm import cuda_ipc as gpu_mem  # noqa: E402
+from kvtier.shm.directory import NO_SLOT, DirectoryWriter, directory_bytes, directory_capacity  # noqa: E402
+from kvtier.core.index import TierIndex  # noqa: E402
 from kvtier.tiers.local import LocalTier  # noqa: E402
-from kvtier.tiers.segment import ShmSegment  # noqa: E402
-from kvtier.tiers.slots import Kind, SlotTable, checksum, segment_bytes  # noqa: E402
+from kvtier.shm.segment import ShmSegment  # noqa: E402
+from kvtier.shm.slots import Kind, SlotTable, checksum, segment_bytes  # noqa: E402
 
 LAYOUT = BlockLayout("llama3-8b", 32, 8, 128, 16, "bfloat16")  # 2 MiB blocks
 CHUNK = 64 << 20  # cudaHostRegister at most this much at a time

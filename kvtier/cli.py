@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from kvtier.config import ConfigError, format_config, load_config, runtime_dir_for
+from kvtier.config import ConfigError, format_config, load_config
+from kvtier.runtime import runtime_dir_for
 
 
 def _load(path: str | None):
@@ -72,7 +73,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvtier.daemon.descriptor import STATS, read_json
+    from kvtier.runtime import STATS, read_json
     from kvtier.status import render_status
 
     rdir = runtime_dir_for(args.runtime_dir, os.environ)

@@ -15,7 +15,7 @@ from functools import cache
 
 import msgpack
 
-from kvtier.bus.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier
+from kvtier.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier
 from kvtier.errors import MalformedEvent
 from kvtier.keys import KEY_BYTES, BlockKey
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvtier.bus.events import Envelope
+from kvtier.core.events import Envelope
 
 Stamp = tuple[str, int, int]  # producer, epoch, seq
 

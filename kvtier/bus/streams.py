@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.bus.events import Tier
+from kvtier.core.events import Tier
 
 PREFIX = "kvtier"
 

@@ -29,7 +29,7 @@ from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
 from kvtier.bus.codec import NAME_RE, decode, encode
-from kvtier.bus.events import Envelope, Event
+from kvtier.core.events import Envelope, Event
 from kvtier.errors import MalformedEvent
 from kvtier.failpoints import Failpoints
 

@@ -20,17 +20,18 @@ import redis.exceptions
 import torch
 
 from kvtier.bus.connect import make_redis
-from kvtier.bus.events import Access, Prefetch, Put, Tier
+from kvtier.core.events import Access, Prefetch, Put, Tier
 from kvtier.bus.transport import BusStats, Publisher
 from kvtier.client.pools import ClientPool, host_rows
+from kvtier.shm.staging import StagingWriter
 from kvtier.client.discovery import library_logger, read_descriptor
-from kvtier.config import runtime_dir_for
-from kvtier.daemon.descriptor import DESCRIPTOR
+from kvtier.runtime import runtime_dir_for
+from kvtier.runtime import DESCRIPTOR
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
 from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
-from kvtier.tiers.redis_blocks import redis_block_key
+from kvtier.store.redis_blocks import redis_block_key
 
 ACCESS_FLUSH_S = 0.02
 OFF_LOOP_BYTES = 256 << 10  # copies at least this big leave the caller's event loop
@@ -289,9 +290,9 @@ class Client:
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
 
-        def writer(n: int):
+        def writer(w: StagingWriter, n: int):
             rows = host_rows(kv, n)  # only the staged blocks leave a GPU
-            return lambda i, b: p.fill_slot(b, rows[i])
+            return lambda i, b: w.fill_slot(b, rows[i])
 
         return await self._put(p, keys, parent, writer)
 
@@ -301,34 +302,35 @@ class Client:
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
         `fill` may run in the client's copy threads, several blocks side by side."""
         p = self.pool(pool)
-        return await self._put(p, keys, parent, lambda n: lambda i, b: p.fill_slot_with(b, lambda dst: fill(i, dst)))
+        return await self._put(p, keys, parent, lambda w, n: lambda i, b: w.fill_slot_with(b, lambda dst: fill(i, dst)))
 
     async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer) -> PutResult:
-        """Stage what fits, filled by writer(n_staged)(i, slot) in copy threads, then publish."""
+        """Stage what fits, filled by writer(staging, n_staged)(i, slot) in copy threads, then publish."""
         pool = p.name
         keys = [check_key(k) for k in keys]
         parent = None if parent is None else check_key(parent)
         if not keys:
             return PutResult(0, 0)
-        staged = p.take_slots(keys, parent)
-        segment = p.staging.seg.name  # p may be closed (daemon restarted) while the copies run
+        w = p.stager()
+        staged = w.take_slots(keys, parent)
+        segment = w.seg.name
         if staged:
             try:
-                write = writer(len(staged))
+                write = writer(w, len(staged))
                 with p.in_use():
                     parts = await self._copy(lambda share: [write(i, b) for i, b in share],
                                              list(enumerate(staged)), len(staged) * p.block_bytes)
             except BaseException:
-                p.unstage(staged)
+                w.unstage(staged)
                 raise
             staged = parts
-            p.staged(staged)
+            w.staged(staged)
         dropped = len(keys) - len(staged)
         if staged:
             try:
                 await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged)))
             except redis.exceptions.RedisError as e:
-                p.unstage(staged)
+                w.unstage(staged)
                 dropped = len(keys)
                 staged = []
                 self.stats.event_errors += 1
@@ -336,7 +338,7 @@ class Client:
             except BaseException:
                 # Cancelled mid-publish: free the slots. Safe even if the event did land, because
                 # the daemon re-checks each slot's generation before trusting it.
-                p.unstage(staged)
+                w.unstage(staged)
                 raise
         if dropped:
             self.stats.put_dropped += dropped

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from kvtier.daemon.descriptor import DESCRIPTOR, read_json
+from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.errors import DaemonUnavailable
 
 

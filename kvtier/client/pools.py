@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import secrets
-import time
 from contextlib import contextmanager
 
 import torch
 
-from kvtier.bus.events import StagedBlock, Tier
+from kvtier.core.events import StagedBlock, Tier
 from kvtier.errors import BadRequest, SegmentError
 from kvtier.layout import BlockLayout
-from kvtier.tiers.directory import IN_REDIS, NO_SLOT, DirectoryReader
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import EMPTY_KEY, Flags, Kind, SlotTable, checksum, segment_bytes
+from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable, checksum
+from kvtier.shm.staging import StagingWriter
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -32,10 +30,6 @@ def host_rows(kv: torch.Tensor, n: int):
     if host.device.type != "cpu":
         host = host.cpu()
     return host.contiguous().view(torch.uint8).reshape(n, -1).numpy()
-
-
-# A staged block the daemon has not taken within this long is given up (see _free_slot).
-STAGING_RECLAIM_S = 10.0
 
 
 class ClientPool:
@@ -61,7 +55,7 @@ class ClientPool:
             g = desc["gpu"]
             seg = ShmSegment.attach(g["segment"], trusted_uid=daemon_uid)
             if g.get("device") == "cuda":
-                from kvtier.tiers.gpu import import_ipc
+                from kvtier.shm.cuda_ipc import import_ipc
 
                 self.tables[Tier.GPU] = SlotTable.open(seg, Kind.GPU_HEADERS, fp, bb)
                 self.gpu_device_payload = import_ipc(g["ipc"])
@@ -69,9 +63,7 @@ class ClientPool:
                 self.tables[Tier.GPU] = SlotTable.open(seg, Kind.ARENA, fp, bb)
         self.tables[Tier.CPU] = SlotTable.open(ShmSegment.attach(desc["cpu"]["segment"], trusted_uid=daemon_uid),
                                                Kind.ARENA, fp, bb)
-        self.staging: SlotTable | None = None
-        self._cursor = 0
-        self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
+        self.staging: StagingWriter | None = None
         self._users = 0  # calls copying through the mappings right now (see in_use)
         self._closing = False
         self._bounce: torch.Tensor | None = None  # pinned host block for CUDA destinations, made on first use
@@ -154,94 +146,25 @@ class ClientPool:
 
     # --- staging for put ---------------------------------------------------------------------
 
-    def _ensure_staging(self) -> SlotTable:
+    def stager(self) -> StagingWriter:
+        """This client's staging segment for the pool, made on first use."""
         if self.staging is None:
-            name = f"kvtier.{self._node}.stage.{os.getpid()}.{secrets.token_hex(8)}"
-            same_user = os.geteuid() == self._uid
-            seg = ShmSegment.create(
-                name, segment_bytes(self._staging_blocks, self.block_bytes),
-                mode=0o600 if same_user or self._gid is None else 0o660,
-                gid=None if same_user else self._gid,
-                reserve=True,  # every page now: a full /dev/shm fails here, not as a SIGBUS mid-put
-            )
-            self.staging = SlotTable.format(seg, Kind.STAGING, self._staging_blocks, self.block_bytes, self.fingerprint)
+            self.staging = StagingWriter.create(self._node, self._staging_blocks, self.block_bytes, self.fingerprint,
+                                                daemon_uid=self._uid, shm_gid=self._gid)
         return self.staging
-
-    def take_slots(self, keys: list[bytes], parent: bytes | None) -> list[StagedBlock]:
-        """Take free staging slots for the leading keys (stops at the first with none) and mark
-        each as being written (odd gen), so no other put takes it. `gen` is that odd gen until
-        `fill_slot` has written the block."""
-        table = self._ensure_staging()
-        taken: list[StagedBlock] = []
-        for key in keys:
-            slot = self._free_slot(table)
-            if slot is None:
-                break
-            taken.append(StagedBlock(key, parent, slot, table.begin_write(slot)))
-            parent = key
-        return taken
-
-    def fill_slot(self, b: StagedBlock, row) -> StagedBlock:
-        """Write a taken slot's block from `row` (uint8) and publish it READY, with its even gen.
-        Touches only that slot, so the blocks of one put may be filled in threads side by side."""
-        return StagedBlock(b.key, b.parent, b.slot,
-                           self.staging.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
-
-    def fill_slot_with(self, b: StagedBlock, write) -> StagedBlock:
-        """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
-        in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once."""
-        table = self.staging
-        dst = table.payloads()[b.slot, : self.block_bytes]
-        write(dst)
-        return StagedBlock(b.key, b.parent, b.slot,
-                           table.end_write(b.slot, b.gen, b.key, self.block_bytes, checksum(dst), Flags.READY, b.parent))
-
-    def staged(self, blocks: list[StagedBlock]) -> None:
-        now = time.monotonic()
-        for b in blocks:
-            self._staged_at[b.slot] = now
 
     def stage(self, keys: list[bytes], parent: bytes | None, kv: torch.Tensor) -> list[StagedBlock]:
         """Write blocks into free staging slots, here and now. Stops at the first block with no free slot."""
-        taken = self.take_slots(keys, parent)
+        w = self.stager()
+        taken = w.take_slots(keys, parent)
         try:
             rows = host_rows(kv, len(taken))
-            blocks = [self.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
+            blocks = [w.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
         except BaseException:
-            self.unstage(taken)
+            w.unstage(taken)
             raise
-        self.staged(blocks)
+        w.staged(blocks)
         return blocks
-
-    def unstage(self, staged: list[StagedBlock]) -> None:
-        """The daemon never heard of these (publishing failed, or the fill did): make the slots
-        reusable, including one left half written (odd gen)."""
-        if self.staging is not None:
-            for b in staged:
-                if (g := self.staging.gen(b.slot)) % 2:
-                    self.staging.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
-                else:
-                    self.staging.set_flags(b.slot, Flags.EMPTY)
-
-    def _free_slot(self, table: SlotTable) -> int | None:
-        for i in range(table.n):
-            slot = (self._cursor + i) % table.n
-            if table.flags(slot) == Flags.EMPTY and table.gen(slot) % 2 == 0:
-                self._cursor = slot + 1
-                return slot
-        # None free. A slot the daemon has not released for STAGING_RECLAIM_S belongs to a put it
-        # will never store (dead-lettered, or lost with a Redis restart): take it back, or the
-        # client would stay full for ever. Safe even if the put turns up later: rewriting the
-        # slot changes its generation, so the daemon's read of the old put fails verification.
-        now = time.monotonic()
-        for slot, at in sorted(self._staged_at.items(), key=lambda kv: kv[1]):
-            if now - at < STAGING_RECLAIM_S:
-                break
-            if table.flags(slot) == Flags.READY and table.gen(slot) % 2 == 0:
-                del self._staged_at[slot]
-                return slot
-            del self._staged_at[slot]
-        return None
 
     def check_tensor(self, t: object, n: int, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -276,7 +199,6 @@ class ClientPool:
     def _close_now(self) -> None:
         if self.staging is not None:
             self.staging.close()
-            self.staging.seg.unlink()
             self.staging = None
         for table in self.tables.values():
             table.close()

@@ -10,7 +10,7 @@ Modules: `fields` (value checks), `schema` (the dataclass tree), `loader` (file 
 Config), `render` (Config -> dict or TOML). Import from here.
 """
 
-from kvtier.config.loader import default_runtime_dir, load_config, runtime_dir_for
+from kvtier.config.loader import load_config
 from kvtier.config.render import config_to_dict, format_config, redact_url
 from kvtier.config.schema import (
     DEMO_POOL,
@@ -31,6 +31,5 @@ from kvtier.config.schema import (
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
     "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "RedisConfig",
-    "config_to_dict", "default_runtime_dir", "format_config", "load_config", "redact_url",
-    "runtime_dir_for",
+    "config_to_dict", "format_config", "load_config", "redact_url",
 ]

@@ -22,6 +22,7 @@ from kvtier.config.schema import (
     Origins,
     PoolConfig,
 )
+from kvtier.runtime import default_runtime_dir
 from kvtier.layout import BlockLayout
 
 
@@ -60,21 +61,6 @@ def load_config(path: str | os.PathLike[str] | None,
         raise ConfigError(problems)
     sections = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
     return Config(**sections, pools=tuple(pools))
-
-
-def runtime_dir_for(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path:
-    """The runtime directory a client or `kvtier status` looks in: the one given, else
-    $KVTIER__NODE__RUNTIME_DIR, else the daemon's default."""
-    return Path(explicit or environ.get(f"{ENV_PREFIX}NODE__RUNTIME_DIR") or default_runtime_dir(environ))
-
-
-def default_runtime_dir(environ: Mapping[str, str]) -> Path:
-    """Where the daemon publishes its descriptor when [node] runtime_dir is not set."""
-    if os.geteuid() == 0:
-        return Path("/run/kvtier")
-    if environ.get("XDG_RUNTIME_DIR", "").startswith("/"):  # the XDG spec ignores relative ones
-        return Path(environ["XDG_RUNTIME_DIR"]) / "kvtier"
-    return Path(f"/tmp/kvtier-{os.geteuid()}")
 
 
 def _node_defaults(environ: Mapping[str, str]) -> dict[str, Any]:

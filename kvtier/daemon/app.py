@@ -19,18 +19,18 @@ import redis.exceptions
 import structlog
 
 from kvtier.bus.connect import make_redis
-from kvtier.bus.events import Tier
+from kvtier.core.events import Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import BusStats, Consumer, Publisher
 from kvtier.config import Config
 from kvtier.daemon.coordinator import Coordinator
-from kvtier.daemon.descriptor import DESCRIPTOR, FORMAT_VERSION, STATS, write_json_atomic
+from kvtier.runtime import DESCRIPTOR, FORMAT_VERSION, STATS, write_json_atomic
 from kvtier.daemon.embedded_redis import EmbeddedRedis
 from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.daemon.sdnotify import Notifier
-from kvtier.daemon.staging import StagingSegments
+from kvtier.shm.staging import StagingSegments
 from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.bus.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
+from kvtier.core.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent

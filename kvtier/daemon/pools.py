@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import os
-from kvtier.bus.events import Tier
+from kvtier.core.events import Tier
 from kvtier.config import PolicyConfig, PoolConfig
 from kvtier.tiers.stats import PoolCounters
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
-from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
-from kvtier.tiers.index import TierIndex
+from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity
+from kvtier.core.index import TierIndex
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.policy import Placement, PolicyKnobs, RedisWrite
+from kvtier.core.policy import Placement, PolicyKnobs, RedisWrite
 from kvtier.tiers.pool import PoolRuntime
-from kvtier.tiers.redis_blocks import RedisBlocks
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Kind, SlotTable, segment_bytes
+from kvtier.store.redis_blocks import RedisBlocks
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable, segment_bytes
 
 
 def segment_name(node: str, pool: str, part: str) -> str:
@@ -81,7 +81,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         # torch (some 200 MB resident) is imported only when the gpu tier may be a real GPU.
         device_type = "cpu" if cfg.device == "cpu" else None
         if device_type is None:
-            from kvtier.tiers import gpu as gpu_mem
+            from kvtier.shm import cuda_ipc as gpu_mem
 
             device = gpu_mem.resolve_device(cfg.device)
             device_type = device.type
@@ -120,7 +120,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         prefetch_to=Tier[policy.prefetch_to.upper()],
     )
     return PoolRuntime(
-        cfg=cfg,
+        name=cfg.name,
         layout=layout,
         gpu=gpu_tier,
         cpu=cpu_tier,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.bus.events import Tier
-from kvtier.tiers.directory import NO_SLOT, DirectoryWriter
-from kvtier.tiers.index import Entry, State, TierIndex
-from kvtier.tiers.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
+from kvtier.core.events import Tier
+from kvtier.shm.directory import NO_SLOT, DirectoryWriter
+from kvtier.core.index import Entry, State, TierIndex
+from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
 
 
 class LocalTier:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.bus.events import Tier
-from kvtier.config import PoolConfig
+from kvtier.core.events import Tier
 from kvtier.tiers.stats import PoolCounters
 from kvtier.layout import BlockLayout
-from kvtier.tiers.directory import DirectoryWriter
+from kvtier.shm.directory import DirectoryWriter
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.policy import Placement
-from kvtier.tiers.redis_blocks import RedisBlocks
+from kvtier.core.policy import Placement
+from kvtier.store.redis_blocks import RedisBlocks
 
 
 @dataclass(slots=True)
 class PoolRuntime:
-    cfg: PoolConfig
+    name: str
     layout: BlockLayout
     gpu: LocalTier | None
     cpu: LocalTier
@@ -27,8 +26,8 @@ class PoolRuntime:
     gpu_ipc: dict | None = None
 
     @property
-    def name(self) -> str:
-        return self.cfg.name
+    def local_blocks(self) -> int:
+        return self.cpu.capacity + (self.gpu.capacity if self.gpu is not None else 0)
 
     def local(self, tier: Tier) -> LocalTier | None:
         return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else None

@@ -19,16 +19,16 @@ import numpy as np
 import redis.exceptions
 
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
 from kvtier.bus.transport import Delivery
 from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
 from kvtier.offload import map_shares, run_off_loop
-from kvtier.tiers.directory import IN_REDIS
-from kvtier.tiers.fence import CommandFence
-from kvtier.tiers.index import Entry
+from kvtier.shm.directory import IN_REDIS
+from kvtier.core.fence import CommandFence
+from kvtier.core.index import Entry
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.eviction import (
+from kvtier.core.eviction import (
     REFUSED,
     Verdict,
     after_local_drop,
@@ -39,7 +39,7 @@ from kvtier.tiers.eviction import (
 from kvtier.tiers.pool import PoolRuntime
 
 if TYPE_CHECKING:
-    from kvtier.daemon.staging import StagingFile
+    from kvtier.shm.staging import StagingFile
 
 Fact = Stored | Removed
 
@@ -58,7 +58,7 @@ class TierWorker:
         self._facts: list[Fact] = []
         # Room for every block the node can hold, several times over: a stamp is only needed
         # while an old entry for that block could still be redelivered.
-        local = sum((rt.cfg.gpu_blocks + rt.cfg.cpu_blocks) for rt in pools.values())
+        local = sum(rt.local_blocks for rt in pools.values())
         self.fence = CommandFence(max(4096, 4 * local))
         self.applied = AppliedEntries()
         self._fences: list[tuple[str, bytes, tuple[int, int]]] = []  # applied in this batch

@@ -114,7 +114,7 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
 
         out["lookup"] = {"ms": t_lookup * 1000, "bound_ms": _best(bare, repeat * 3) * 1000}
         # bus: access events published until the daemon has applied (counted) them
-        from kvtier.bus.events import Access
+        from kvtier.core.events import Access
         from kvtier.bus.transport import Publisher
 
         events = 5000 if n > 64 else 200
@@ -158,8 +158,8 @@ async def redis_row(url: str, layout: dict, n: int, repeat: int, out: dict) -> N
 
     from kvtier.bus.connect import make_redis
     from kvtier.layout import BlockLayout
-    from kvtier.tiers.redis_blocks import RedisBlocks
-    from kvtier.tiers.slots import checksum
+    from kvtier.store.redis_blocks import RedisBlocks
+    from kvtier.shm.slots import checksum
 
     lay = BlockLayout(**layout)
     bb = lay.block_bytes
@@ -213,8 +213,8 @@ async def redis_row(url: str, layout: dict, n: int, repeat: int, out: dict) -> N
 
 def directory_row(repeat: int, out: dict) -> None:
     """Lookup of 500 resident keys with 1M blocks indexed, against 1k (the shm directory clients probe)."""
-    from kvtier.tiers.directory import DirectoryWriter, directory_bytes, directory_capacity
-    from kvtier.tiers.segment import ShmSegment
+    from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity
+    from kvtier.shm.segment import ShmSegment
 
     probe = [hashlib.sha256(b"p" + i.to_bytes(4, "little")).digest() for i in range(500)]
     times = {}

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.daemon.descriptor import STATS, read_json
+from kvtier.runtime import STATS, read_json
 from kvtier.processes import die_with_parent
 
 READY_TIMEOUT_S = 30.0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.daemon.descriptor import DESCRIPTOR, STATS, read_json
+from kvtier.runtime import DESCRIPTOR, STATS, read_json
 from kvtier.processes import die_with_parent, stop_processes
 from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 

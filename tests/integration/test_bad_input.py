@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from kvtier.bus.events import Put, StagedBlock
+from kvtier.core.events import Put, StagedBlock
 from kvtier.bus.transport import Publisher
 from kvtier.client import Client
 from kvtier.errors import BadRequest, UnknownPool
-from kvtier.tiers.redis_blocks import pack_block, redis_block_key
-from kvtier.tiers.slots import checksum
+from kvtier.store.redis_blocks import pack_block, redis_block_key
+from kvtier.shm.slots import checksum
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until, wait_until
 

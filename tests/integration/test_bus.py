@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from kvtier.bus.codec import decode, encode
 from kvtier.bus.connect import make_redis, make_sync_redis
-from kvtier.bus.events import Access, Envelope, Tier
+from kvtier.core.events import Access, Envelope, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import BusStats, Consumer, Delivery, Publisher
 from kvtier.keys import BlockKey

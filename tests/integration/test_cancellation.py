@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvtier.client import Client, SyncClient
-from kvtier.tiers.redis_blocks import pack_block, redis_block_key
-from kvtier.tiers.slots import Flags, checksum
+from kvtier.store.redis_blocks import pack_block, redis_block_key
+from kvtier.shm.slots import Flags, checksum
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until
 
@@ -170,7 +170,7 @@ async def test_cancelled_calls_never_get_another_callers_data(daemon_factory, re
             assert (await client.put("t", keys, kv)).staged == 2
             assert await client.wait_resident("t", keys, timeout=10)
             # No staging slot leaks: the daemon frees what it stored, a cancelled put frees its own.
-            staging = client.pool("t").staging
+            staging = client.pool("t").staging.table
             await async_wait_until(lambda: all(staging.flags(s) == Flags.EMPTY for s in range(staging.n)),
                                    timeout=10, message="every staging slot free again")
         assert d.alive

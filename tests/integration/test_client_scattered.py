@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client
-from kvtier.tiers.slots import checksum_parts
+from kvtier.shm.slots import checksum_parts
 
 pytestmark = pytest.mark.integration
 BLOCK_BYTES = 8192  # the test pool: 2 layers x 2 x 2 heads x 16 tokens x 32 dims x float16

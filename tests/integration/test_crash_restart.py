@@ -29,10 +29,10 @@ import time
 
 import pytest
 
-from kvtier.daemon.descriptor import DESCRIPTOR, read_json
+from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.tools.demo import expected_block
-from kvtier.tiers.segment import SHM_DIR, ShmSegment
-from kvtier.tiers.slots import Flags, Kind, SlotTable
+from kvtier.shm.segment import SHM_DIR, ShmSegment
+from kvtier.shm.slots import Flags, Kind, SlotTable
 from kvtier.tools.daemon_process import READY_TIMEOUT_S
 from tests.support.waiting import wait_until
 from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvtier.bus.codec import MAX_ENTRY_BYTES, MAX_ITEMS, MAX_STR, NAME_RE, decode, encode
 from kvtier.bus.connect import make_redis
-from kvtier.bus.events import (Access, Copy, Demote, Envelope, Evict, Prefetch, Promote, Put, Removed, StagedBlock,
+from kvtier.core.events import (Access, Copy, Demote, Envelope, Evict, Prefetch, Promote, Put, Removed, StagedBlock,
                                Store, Stored, Tier)
 from kvtier.bus.transport import BusStats, Consumer, Delivery, Publisher, REASON_EXTRA_FIELDS, REASON_MISSING_FIELD
 from kvtier.client import Client

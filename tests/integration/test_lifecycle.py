@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.daemon.descriptor import DESCRIPTOR
+from kvtier.runtime import DESCRIPTOR
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration

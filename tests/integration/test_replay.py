@@ -12,7 +12,7 @@ in-process stand-in for the node's streams, so that delivery can be scripted:
    and even after later client steps) and neighbours in a stream are swapped.
 3. The final state (which blocks each tier holds, with their exact bytes) must equal the
    original's. Workers fence commands per block by their (epoch, seq) stamp
-   (kvtier/tiers/fence.py); the last check shows the perturbations do diverge without it.
+   (kvtier/core/fence.py); the last check shows the perturbations do diverge without it.
 
 The replayed client log is the original's, except that the client stages the same blocks again
 in a fresh staging segment (the original one has been released and reused), and Put entries
@@ -35,16 +35,16 @@ import torch
 
 from kvtier.bus.connect import make_redis
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.bus.events import Access, Envelope, Evict, Prefetch, Promote, Put, StagedBlock, Tier
+from kvtier.core.events import Access, Envelope, Evict, Prefetch, Promote, Put, StagedBlock, Tier
 from kvtier.bus.streams import StreamNames
 from kvtier.bus.transport import Delivery
 from kvtier.client.pools import ClientPool
 from kvtier.config import PolicyConfig, PoolConfig
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.pools import close_pool, open_pool
-from kvtier.daemon.staging import StagingSegments
-from kvtier.tiers.fence import CommandFence
-from kvtier.tiers.slots import checksum
+from kvtier.shm.staging import StagingSegments
+from kvtier.core.fence import CommandFence
+from kvtier.shm.slots import checksum
 from kvtier.tiers.worker import TierWorker
 
 POOL = PoolConfig(name="r", model="replay", layers=1, kv_heads=1, head_dim=8, block_tokens=4,
@@ -209,10 +209,7 @@ class Node:
         return out
 
     def close(self) -> None:
-        staging = self.client.staging
-        self.client.close()
-        if staging is not None:
-            staging.seg.unlink()
+        self.client.close()  # unlinks its staging segment
         self.staging.close()
         close_pool(self.rt, persist_arena=False)
 

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from kvtier.bus.codec import decode
-from kvtier.bus.events import Removed, Tier
+from kvtier.core.events import Removed, Tier
 from kvtier.client import Client
 from kvtier.tools.demo import shared_prompts
-from kvtier.tiers.redis_blocks import redis_block_key
+from kvtier.store.redis_blocks import redis_block_key
 from tests.support.waiting import wait_until
 from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 

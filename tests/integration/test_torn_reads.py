@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 
 from kvtier.layout import BlockLayout
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Kind, SlotTable, segment_bytes
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable, segment_bytes
 from tests.support.torn_rw import SHORT_EVERY
 from tests.support.waiting import wait_until
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvtier.bus.events import Tier
-from kvtier.tiers.index import TierIndex
-from kvtier.tiers.policy import Placement, PolicyKnobs
+from kvtier.core.events import Tier
+from kvtier.core.index import TierIndex
+from kvtier.core.policy import Placement, PolicyKnobs
 
 POOL = "llama-8b"
 NOW = 1000.0  # the policy never reads the clock; tests pass time in

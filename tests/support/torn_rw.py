@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import HEADER_OFF, SLOT_HDR, Kind, SlotTable, checksum
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import HEADER_OFF, SLOT_HDR, Kind, SlotTable, checksum
 
 NKEYS = 6
 SHORT_EVERY = 8

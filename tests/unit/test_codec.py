@@ -1,4 +1,4 @@
-"""The msgpack event codec (kvtier/bus/codec.py) over the typed events (kvtier/bus/events.py).
+"""The msgpack event codec (kvtier/bus/codec.py) over the typed events (kvtier/core/events.py).
 
 Decoding treats its input as hostile: anything malformed is a MalformedEvent with a reason, and
 never any other exception (which would crash a consumer instead of dead-lettering the entry).
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.bus.codec import MAX_ENTRY_BYTES, MAX_ITEMS, decode, encode
-from kvtier.bus.events import (
+from kvtier.core.events import (
     SCHEMA_VERSION, Access, Demote, Envelope, Evict, Prefetch, Promote, Put, Removed, StagedBlock, Store, Stored, Tier,
 )
 from kvtier.errors import MalformedEvent

@@ -1,9 +1,9 @@
-"""The tier workers' eviction rules (kvtier/tiers/eviction.py): the verdict a worker acts on."""
+"""The tier workers' eviction rules (kvtier/core/eviction.py): the verdict a worker acts on."""
 
 from __future__ import annotations
 
-from kvtier.bus.events import Tier
-from kvtier.tiers.eviction import Verdict, after_local_drop, after_redis_check, evict_verdict
+from kvtier.core.events import Tier
+from kvtier.core.eviction import Verdict, after_local_drop, after_redis_check, evict_verdict
 from tests.support.placement import k, placement, put
 
 GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.bus.events import Envelope, Evict, Tier
-from kvtier.tiers.fence import CommandFence
+from kvtier.core.events import Envelope, Evict, Tier
+from kvtier.core.fence import CommandFence
 
 K1, K2 = b"\x01" * 32, b"\x02" * 32
 

@@ -1,4 +1,4 @@
-"""The pure per-tier index (kvtier/tiers/index.py): slots, LRU order, pins and prefix links."""
+"""The pure per-tier index (kvtier/core/index.py): slots, LRU order, pins and prefix links."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from kvtier.tiers.index import State, TierIndex
+from kvtier.core.index import State, TierIndex
 
 
 def k(i: int) -> bytes:

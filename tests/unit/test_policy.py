@@ -1,8 +1,8 @@
-"""Placement policy (kvtier/tiers/policy.py): a pure function of the tier indices -> commands."""
+"""Placement policy (kvtier/core/policy.py): a pure function of the tier indices -> commands."""
 
 from __future__ import annotations
 
-from kvtier.bus.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
 from tests.support.placement import NOW, POOL, TIMEOUT, k, placement, put
 
 # --- admit ---------------------------------------------------------------------------------------

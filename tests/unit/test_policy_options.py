@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvtier.bus.codec import decode, encode
-from kvtier.bus.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
+from kvtier.core.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
 from kvtier.config import load_config
-from kvtier.tiers.policy import DROP_REASONS, RedisWrite
+from kvtier.core.policy import DROP_REASONS, RedisWrite
 from tests.support.placement import NOW, POOL, k, placement, put
 
 THROUGH = RedisWrite.WRITE_THROUGH

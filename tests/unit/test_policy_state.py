@@ -22,10 +22,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
-from kvtier.tiers.eviction import REFUSED, Verdict, after_redis_check, evict_verdict
-from kvtier.tiers.index import State, TierIndex
-from kvtier.tiers.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
+from kvtier.core.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.eviction import REFUSED, Verdict, after_redis_check, evict_verdict
+from kvtier.core.index import State, TierIndex
+from kvtier.core.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
 
 POOL = "p"
 GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
@@ -182,7 +182,7 @@ class PolicyMachine(RuleBasedStateMachine):
             self.data[REDIS].pop(c.key, None)
             self.idx[REDIS].remove(c.key)
             return Removed(POOL, c.key, REDIS, f"evict:{c.reason}")
-        # The worker's own rules (kvtier/tiers/eviction.py): gone, stale, busy, safe or the only copy.
+        # The worker's own rules (kvtier/core/eviction.py): gone, stale, busy, safe or the only copy.
         verdict = evict_verdict(self.p, c.tier, c.key, c.reason)
         in_redis = False
         if verdict is Verdict.ASK_REDIS:

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
-from kvtier.tiers.directory import (
+from kvtier.shm.directory import (
     IN_REDIS, NO_SLOT, DirectoryReader, DirectoryWriter, directory_bytes, directory_capacity,
 )
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Flags, Kind, SlotTable, checksum, segment_bytes
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Flags, Kind, SlotTable, checksum, segment_bytes
 from tests.support.waiting import wait_until
 
 PREFIX = f"kvtier.test-{uuid.uuid4().hex[:8]}."
@@ -220,8 +220,8 @@ def test_reads_that_must_miss(new_seg) -> None:
 WRITER = r"""
 import sys, time
 import numpy as np
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Kind, SlotTable, checksum
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable, checksum
 name, bb, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 t = SlotTable.open(ShmSegment.attach(name, writable=True), Kind.ARENA, block_bytes=bb)
 pats = [(b"A" * 32, np.full(bb, 0xA5, np.uint8)), (b"B" * 32, np.full(bb, 0x5A, np.uint8))]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.daemon.descriptor import DESCRIPTOR, read_json
-from kvtier.tiers.segment import ShmSegment
-from kvtier.tiers.slots import Kind, SlotTable
+from kvtier.runtime import DESCRIPTOR, read_json
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable
 from kvtier.tools.vllm_engine import EngineProcess, connector_config
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, PROMPTS, pool_toml

@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.integrations.vllm.secondary_tier import KvtierSecondaryTier
-from kvtier.tiers.redis_blocks import redis_block_key
+from kvtier.store.redis_blocks import redis_block_key
 from tests.support.waiting import wait_until
 
 CHUNK = 64 << 10  # bytes per vLLM offload chunk in these tests (a page multiple, as vLLM needs)

@@ -21,7 +21,7 @@ from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyName
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
 from kvtier.integrations.vllm.connector_link import DaemonLink
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
-from kvtier.tiers.slots import checksum_parts
+from kvtier.shm.slots import checksum_parts
 
 STAGING_POLL_S = 0.001
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format

@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import SegmentError
-from kvtier.tiers.segment import ShmSegment
+from kvtier.shm.segment import ShmSegment
 
 SEG_MAGIC = b"KVTIER01"
 SEG = struct.Struct("<8sIIQQQQ32sQQ")  # magic ver kind n block_bytes stride payload_off fp pid created

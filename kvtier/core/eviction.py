@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import enum
 
-from kvtier.bus.events import Tier
-from kvtier.tiers.policy import DROP_REASONS, Placement
+from kvtier.core.events import Tier
+from kvtier.core.policy import DROP_REASONS, Placement
 
 
 class Verdict(enum.Enum):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 
 from kvtier.errors import SegmentError
-from kvtier.tiers.segment import ShmSegment
+from kvtier.shm.segment import ShmSegment
 
 DIR_MAGIC = b"KVTDIR01"
 _HEAD = struct.Struct("<8sQ32s")

@@ -18,7 +18,7 @@ import redis.exceptions
 
 from kvtier.errors import CorruptBlock
 from kvtier.offload import map_shares
-from kvtier.tiers.slots import checksum
+from kvtier.shm.slots import checksum
 
 BLK_MAGIC = b"KVTBLK01"
 BLK_VERSION = 1

@@ -38,8 +38,8 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.bus.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
-from kvtier.tiers.index import State, TierIndex
+from kvtier.core.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.index import State, TierIndex
 
 
 class RedisWrite(enum.Enum):

@@ -1,0 +1,244 @@
+"""Staging segments, both ends: the client's writer, and the daemon's reader and reaper.
+
+A client writes new blocks into its own staging segment (StagingWriter) and names it in a Put
+event. The daemon reads them (StagingFile) and releases each slot once it is done with it. It
+never maps the segment: the client owns the file and could shrink it under a mapping, and touching a
+mapped page past the end of the file kills the reader with SIGBUS. Through pread/pwrite a
+shrunken file is just a short read, which is a miss. The bytes are untrusted either way: the
+worker verifies key, length and checksum under the seqlock before storing anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.errors import SegmentError
+from kvtier.processes import pid_alive
+from kvtier.core.events import StagedBlock
+from kvtier.shm.segment import SHM_DIR, ShmSegment
+from kvtier.shm.slots import (EMPTY_KEY, HEADER_OFF, SLOT_HDR, SLOT_HEADER, SLOT_MAGIC, Flags, Kind, SlotHeader,
+                              SlotTable, checksum, parse_segment_header, segment_bytes)
+
+_FLAGS_OFF = 4
+# A staged block the daemon has not taken within this long is given up (see StagingWriter._free_slot).
+STAGING_RECLAIM_S = 10.0
+
+
+def staging_prefix(node: str) -> str:
+    return f"kvtier.{node}.stage."
+
+
+class StagingWriter:
+    """A client's own staging segment for one pool: it takes free slots, writes blocks into them
+    under the seqlock, and takes back slots the daemon never released."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+        self._cursor = 0
+        self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
+
+    @classmethod
+    def create(cls, node: str, blocks: int, block_bytes: int, fingerprint: bytes, *, daemon_uid: int,
+               shm_gid: int | None) -> "StagingWriter":
+        same_user = os.geteuid() == daemon_uid
+        seg = ShmSegment.create(
+            f"{staging_prefix(node)}{os.getpid()}.{secrets.token_hex(8)}", segment_bytes(blocks, block_bytes),
+            mode=0o600 if same_user or shm_gid is None else 0o660,
+            gid=None if same_user else shm_gid,
+            reserve=True,  # every page now: a full /dev/shm fails here, not as a SIGBUS mid-put
+        )
+        return cls(SlotTable.format(seg, Kind.STAGING, blocks, block_bytes, fingerprint))
+
+    @property
+    def seg(self) -> ShmSegment:
+        return self.table.seg
+
+    def take_slots(self, keys: list[bytes], parent: bytes | None) -> list[StagedBlock]:
+        """Take free slots for the leading keys (stops at the first with none) and mark each as
+        being written (odd gen), so no other put takes it. `gen` is that odd gen until
+        `fill_slot` has written the block."""
+        taken: list[StagedBlock] = []
+        for key in keys:
+            slot = self._free_slot()
+            if slot is None:
+                break
+            taken.append(StagedBlock(key, parent, slot, self.table.begin_write(slot)))
+            parent = key
+        return taken
+
+    def fill_slot(self, b: StagedBlock, row: np.ndarray) -> StagedBlock:
+        """Write a taken slot's block from `row` (uint8) and publish it READY, with its even gen.
+        Touches only that slot, so the blocks of one put may be filled in threads side by side."""
+        return StagedBlock(b.key, b.parent, b.slot,
+                           self.table.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
+
+    def fill_slot_with(self, b: StagedBlock, write: Callable[[np.ndarray], object]) -> StagedBlock:
+        """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
+        in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once."""
+        table = self.table
+        dst = table.payloads()[b.slot, : table.block_bytes]
+        write(dst)
+        return StagedBlock(b.key, b.parent, b.slot,
+                           table.end_write(b.slot, b.gen, b.key, table.block_bytes, checksum(dst), Flags.READY, b.parent))
+
+    def staged(self, blocks: list[StagedBlock]) -> None:
+        now = time.monotonic()
+        for b in blocks:
+            self._staged_at[b.slot] = now
+
+    def unstage(self, staged: list[StagedBlock]) -> None:
+        """The daemon never heard of these (publishing failed, or the fill did): make the slots
+        reusable, including one left half written (odd gen)."""
+        for b in staged:
+            if (g := self.table.gen(b.slot)) % 2:
+                self.table.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
+            else:
+                self.table.set_flags(b.slot, Flags.EMPTY)
+
+    def _free_slot(self) -> int | None:
+        table = self.table
+        for i in range(table.n):
+            slot = (self._cursor + i) % table.n
+            if table.flags(slot) == Flags.EMPTY and table.gen(slot) % 2 == 0:
+                self._cursor = slot + 1
+                return slot
+        # None free. A slot the daemon has not released for STAGING_RECLAIM_S belongs to a put it
+        # will never store (dead-lettered, or lost with a Redis restart): take it back, or the
+        # client would stay full for ever. Safe even if the put turns up later: rewriting the
+        # slot changes its generation, so the daemon's read of the old put fails verification.
+        now = time.monotonic()
+        for slot, at in sorted(self._staged_at.items(), key=lambda kv: kv[1]):
+            if now - at < STAGING_RECLAIM_S:
+                break
+            del self._staged_at[slot]
+            if table.flags(slot) == Flags.READY and table.gen(slot) % 2 == 0:
+                return slot
+        return None
+
+    def close(self) -> None:
+        """Unmap and unlink: the daemon forgets a segment whose file is gone (StagingSegments.reap)."""
+        self.table.close()
+        self.seg.unlink()
+
+
+class StagingFile:
+    """One client's staging segment, opened read-write as a plain file."""
+
+    def __init__(self, name: str, fd: int, n: int, block_bytes: int, stride: int, payload_off: int) -> None:
+        self.name = name
+        self.fd = fd
+        self.n = n
+        self.block_bytes = block_bytes
+        self._stride = stride
+        self._payload_off = payload_off
+
+    @classmethod
+    def open(cls, name: str) -> "StagingFile":
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SegmentError(f"cannot open staging segment {name}: {e}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o002:
+                raise SegmentError(f"staging segment {name} is not a private regular file")
+            head = os.pread(fd, HEADER_OFF, 0)
+            n, bb, stride, payload_off, _fp = parse_segment_header(head, st.st_size, name, Kind.STAGING, None, None)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, fd, n, bb, stride, payload_off)
+
+    def header(self, slot: int) -> SlotHeader | None:
+        if not 0 <= slot < self.n:
+            return None
+        raw = os.pread(self.fd, SLOT_HDR, HEADER_OFF + SLOT_HDR * slot)
+        return SlotHeader(*SLOT_HEADER.unpack_from(raw, 0)) if len(raw) == SLOT_HDR else None
+
+    def read_into(self, slot: int, key: bytes, gen: int, dst: np.ndarray) -> int | None:
+        """Copy the block the client staged as (key, gen) into dst and verify it; checksum or None."""
+        h = self.header(slot)
+        if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
+                or h.key != key or h.length != self.block_bytes or dst.nbytes != self.block_bytes):
+            return None
+        got = os.preadv(self.fd, [memoryview(dst)], self._payload_off + self._stride * slot)
+        again = self.header(slot)
+        if got != self.block_bytes or again is None or again.gen != gen or again.key != key:
+            return None
+        return h.checksum if checksum(dst) == h.checksum else None
+
+    def release(self, slot: int, gen: int) -> bool:
+        """Mark the slot EMPTY (free for its client), unless the client has already rewritten it."""
+        h = self.header(slot)
+        if h is None or h.gen != gen:
+            return False
+        os.pwrite(self.fd, Flags.EMPTY.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + _FLAGS_OFF)
+        return True
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class StagingSegments:
+    def __init__(self, node: str, log) -> None:
+        self._prefix = staging_prefix(node)
+        self._name_re = re.compile(re.escape(self._prefix) + r"[0-9]+\.[0-9a-f]{8,32}")
+        self._open: dict[str, StagingFile] = {}
+        self.log = log
+
+    def get(self, name: str, block_bytes: int) -> StagingFile:
+        """The staging segment `name`, opened and validated; SegmentError if it cannot be used."""
+        f = self._open.get(name)
+        if f is None:
+            if not self._name_re.fullmatch(name):
+                raise SegmentError(f"{name!r} is not a staging segment of this node")
+            f = self._open[name] = StagingFile.open(name)
+        if f.block_bytes != block_bytes:
+            raise SegmentError(f"staging {name} holds blocks of {f.block_bytes} bytes, pool needs {block_bytes}")
+        return f
+
+    def release(self, name: str, block_bytes: int, slot: int, gen: int) -> bool:
+        try:
+            return self.get(name, block_bytes).release(slot, gen)
+        except (SegmentError, OSError) as e:
+            self.log.warning("staging.release_failed", segment=name, slot=slot, error=str(e))
+            return False
+
+    def reap(self) -> int:
+        """Unlink staging segments whose client died; forget those their client removed."""
+        try:
+            present = {p.name for p in SHM_DIR.iterdir() if p.name.startswith(self._prefix)}
+        except OSError:
+            return 0
+        for name in [n for n in self._open if n not in present]:  # the client closed it
+            self._open.pop(name).close()
+        reaped = 0
+        for name in present:
+            try:
+                pid = int(name[len(self._prefix):].split(".")[0])
+            except ValueError:
+                continue
+            if pid_alive(pid):
+                continue
+            f = self._open.pop(name, None)
+            if f is not None:
+                f.close()
+            try:
+                (SHM_DIR / name).unlink()
+            except FileNotFoundError:
+                continue
+            reaped += 1
+            self.log.info("staging.reaped", segment=name, pid=pid)
+        return reaped
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
