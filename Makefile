@@ -8,17 +8,21 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_BIN    = $(VLLM_VENV)/bin
 VLLM_STAMP  = $(VLLM_VENV)/.kvtier-installed
 
-.PHONY: run test test-vllm setup setup-vllm redis-server test-tools clean
+.PHONY: run test test-vllm check setup setup-vllm redis-server test-tools clean
 
 run: $(STAMP) redis-server
 	$(BIN)/kvtier demo
 
-# Both parts always run; the target fails if either does.
+# Every part always runs; the target fails if any does.
 test: $(STAMP) $(VLLM_STAMP) redis-server test-tools
 	@status=0; \
+	scripts/check-code.sh $(VENV) || status=1; \
 	echo "$(BIN)/python -m pytest -q"; $(BIN)/python -m pytest -q || status=1; \
 	echo "$(VLLM_BIN)/python -m pytest -q tests/vllm"; $(VLLM_BIN)/python -m pytest -q tests/vllm || status=1; \
 	exit $$status
+
+check: $(STAMP)
+	scripts/check-code.sh $(VENV)
 
 test-vllm: $(VLLM_STAMP) redis-server test-tools
 	$(VLLM_BIN)/python -m pytest -q tests/vllm

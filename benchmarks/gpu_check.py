@@ -13,7 +13,8 @@
    redis-server, as `kvtier bench` starts one) and this process as its client. Blocks are put from
    a CUDA tensor, shed from the gpu tier to the cpu arena by the daemon (D2H), and read back into
    a CUDA tensor through the IPC mapping; every byte is compared, and the get is timed against a
-   device-to-device copy of the same bytes. A byte changed through the IPC mapping must be a miss. Skipped, and said so, without redis-server on PATH.
+   device-to-device copy of the same bytes. A byte changed through the IPC mapping must be a miss.
+   Skipped, and said so, without redis-server on PATH.
 6. The vLLM connector's copies, without vLLM: paged KV caches as vLLM lays out Llama-3-8B on a GPU
    (32 layers of [blocks, 2, 8, 32, 128] bfloat16) on CUDA; gather and scatter between them and
    kvtier blocks, byte for byte against the same copies on CPU tensors; then the worker's own save
@@ -42,13 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.core.events import Tier  # noqa: E402
+from kvtier.core.index import TierIndex  # noqa: E402
 from kvtier.layout import BlockLayout  # noqa: E402
 from kvtier.shm import cuda_ipc as gpu_mem  # noqa: E402
 from kvtier.shm.directory import NO_SLOT, DirectoryWriter, directory_bytes, directory_capacity  # noqa: E402
-from kvtier.core.index import TierIndex  # noqa: E402
-from kvtier.tiers.local import LocalTier  # noqa: E402
 from kvtier.shm.segment import ShmSegment  # noqa: E402
 from kvtier.shm.slots import Kind, SlotTable, checksum, segment_bytes  # noqa: E402
+from kvtier.tiers.local import LocalTier  # noqa: E402
 
 LAYOUT = BlockLayout("llama3-8b", 32, 8, 128, 16, "bfloat16")  # 2 MiB blocks
 CHUNK = 64 << 20  # cudaHostRegister at most this much at a time
@@ -118,7 +119,8 @@ async def client_round(env, dev: torch.device, n_gpu: int, n: int) -> None:
         t_d2d = timed(lambda: out[:m].copy_(kv[:m]))
         gb = m * bb / 1e9
         print(f"get from the gpu tier into a CUDA tensor {gb / best:.2f} GB/s vs a device copy "
-              f"{gb / t_d2d:.0f} GB/s (ratio {t_d2d / best:.4f}; each block is copied on the device, then the copy is verified on the host)")
+              f"{gb / t_d2d:.0f} GB/s (ratio {t_d2d / best:.4f}; each block is copied on the device, "
+              f"then the copy is verified on the host)")
         # the rest overflows the gpu tier: the daemon sheds the oldest to the cpu arena (D2H)
         for i in range(m, n, m):
             res = await client.put("b", keys[i:i + m], kv[i:i + m], parent=keys[i - 1])
@@ -136,7 +138,8 @@ async def client_round(env, dev: torch.device, n_gpu: int, n: int) -> None:
               f"gpu {on_gpu}, cpu {on_cpu}")
         out.zero_()
         got = await client.get("b", keys, out)
-        check("every block reads back exact from both tiers", got == n and torch.equal(out_raw, raw), f"{got}/{n} blocks")
+        check("every block reads back exact from both tiers", got == n and torch.equal(out_raw, raw),
+              f"{got}/{n} blocks")
         # a byte changed behind the seqlock, through the IPC mapping any client holds: a miss there
         # (a block with no cpu copy: with one, the read would rightly fall back to that copy)
         at = max(i for i, t in enumerate(tiers) if t == Tier.GPU and p.directory.find(keys[i])[1] == NO_SLOT)
@@ -198,11 +201,11 @@ def connector_copies(dev: torch.device, blocks: int = 24) -> None:
     if shutil.which("redis-server") is None:
         print("SKIP  6. connector save/load against a daemon: no redis-server on PATH (not counted as a pass)")
         return
-    from kvtier.tools.bench_env import Env
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_link import DaemonLink
     from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
     from kvtier.integrations.vllm.connector_worker import WorkerMover
+    from kvtier.tools.bench_env import Env
 
     layout = dict(model="llama3-8b-vllm", layers=layers, kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,7 +227,8 @@ def connector_copies(dev: torch.device, blocks: int = 24) -> None:
             dst = tuple(range(blocks + 1, 2 * blocks + 1))
             failed = mover.load([BlockTransfer("check", tokens, None, None, 0, dst)])
             ok = not failed and all(same(d[list(dst)], ref) for d, ref in zip(dev_caches, saved))
-            check("6. connector load into device pages equals the saved bytes", ok, f"failed block ids {sorted(failed)[:5]}")
+            check("6. connector load into device pages equals the saved bytes", ok,
+                  f"failed block ids {sorted(failed)[:5]}")
         finally:
             if link is not None:
                 link.close()
@@ -314,8 +318,8 @@ def main() -> int:
             desc = Path(tmp) / "ipc.json"
             desc.write_text(json.dumps({"ipc": gpu_mem.export_ipc(pool),
                                         "checksums": [checksum(ref[i]) for i in range(n)]}))
-            run = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", str(desc)], capture_output=True,
-                                 text=True, timeout=300)
+            run = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", str(desc)],
+                                 capture_output=True, text=True, timeout=300)
             check("second process reads every block through CUDA IPC", run.returncode == 0,
                   f"rc {run.returncode} " + (run.stdout.strip() + " " + run.stderr.strip())[-300:])
 

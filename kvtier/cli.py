@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--cpu-blocks", type=int, default=144, help="cpu tier blocks of 2 MiB (default 144)")
     pf.add_argument("--device", default="cpu", help="gpu tier device: cpu (default), auto or cuda")
     pf.add_argument("--prefill-tok-s", type=float, default=25_000,
-                    help="cost model: prefill tokens per second of GPU time (default 25,000: Llama-3-8B at 400 TFLOP/s)")
+                    help="cost model: prefill tokens per second of GPU time "
+                         "(default 25,000: Llama-3-8B at 400 TFLOP/s)")
     pf.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
     pf.add_argument("--timeout", type=float, default=900, help="give up after this many seconds (default 900)")
     b.set_defaults(fn=cmd_bench)

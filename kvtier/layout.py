@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +51,7 @@ class BlockLayout:
         h.update(struct.pack("<6I", LAYOUT_VERSION, *self.shape))
         return h.digest()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str | int]:
         return {
             "model": self.model,
             "layers": self.layers,
@@ -60,7 +62,7 @@ class BlockLayout:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BlockLayout":
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockLayout:
         return cls(
             model=str(d["model"]),
             layers=int(d["layers"]),

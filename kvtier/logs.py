@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import structlog
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
 FORMATS = ("auto", "json", "console")
+
+
+class Log(Protocol):
+    """What kvtier calls on a structlog logger, whichever wrapper class made it (the daemon's
+    filtering logger, or the client library's stdlib-backed one): bind and log an event."""
+
+    def bind(self, **new_values: Any) -> Log: ...
+    def debug(self, event: str, **kw: Any) -> Any: ...
+    def info(self, event: str, **kw: Any) -> Any: ...
+    def warning(self, event: str, **kw: Any) -> Any: ...
+    def error(self, event: str, **kw: Any) -> Any: ...
+    def exception(self, event: str, **kw: Any) -> Any: ...
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -11,7 +11,10 @@ import asyncio
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, TypeVar, cast
+
+R = TypeVar("R")
+S = TypeVar("S", bound=Sequence[Any])
 
 
 def default_copy_threads() -> int:
@@ -19,7 +22,7 @@ def default_copy_threads() -> int:
     return min(4, os.cpu_count() or 1)
 
 
-async def _finish(futs: Sequence[asyncio.Future]) -> None:
+async def _finish(futs: Sequence[asyncio.Future[Any]]) -> None:
     try:
         await asyncio.wait(futs)
     except asyncio.CancelledError:
@@ -31,24 +34,24 @@ async def _finish(futs: Sequence[asyncio.Future]) -> None:
         raise
 
 
-async def run_off_loop(executor: Executor | None, fn: Callable[..., Any], *args: Any) -> Any:
+async def run_off_loop(executor: Executor | None, fn: Callable[..., R], *args: Any) -> R:
     """fn(*args) in a thread of `executor` (None: the loop's default), waited for even if cancelled."""
     fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     await _finish([fut])
     return fut.result()
 
 
-async def map_shares(executor: Executor | None, fn: Callable[[Sequence[Any]], list], items: Sequence[Any],
-                     threads: int) -> list:
+async def map_shares(executor: Executor | None, fn: Callable[[S], list[R]], items: S, threads: int) -> list[R]:
     """fn over `threads` interleaved shares of `items` side by side; results in the items' order.
     fn(share) returns one result per item of its share. Every share is finished before this
     returns or raises (the first failure is raised then)."""
     k = max(1, min(threads, len(items)))
-    shares = [items[i::k] for i in range(k)]
+    # A slice of a list, tuple, range or array is of the same type; mypy only knows Sequence.
+    shares = [cast(S, items[i::k]) for i in range(k)]
     loop = asyncio.get_running_loop()
     futs = [loop.run_in_executor(executor, fn, share) for share in shares]
     await _finish(futs)
-    out: list = [None] * len(items)
+    out: list[Any] = [None] * len(items)
     for i, f in enumerate(futs):
         out[i::k] = f.result()
     return out

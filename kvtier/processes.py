@@ -6,6 +6,8 @@ import ctypes
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,7 +31,7 @@ def pid_alive(pid: object) -> bool:
     return True
 
 
-def stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> None:
     """SIGTERM every one still running, then wait up to `timeout` each; SIGKILL what is left."""
     for p in procs:
         if p.poll() is None:

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 DESCRIPTOR = "kvtier.json"
 STATS = "stats.json"
@@ -36,7 +37,7 @@ def default_runtime_dir(environ: Mapping[str, str]) -> Path:
     return Path(f"/tmp/kvtier-{os.geteuid()}")
 
 
-def write_json_atomic(path: Path, obj: dict, mode: int = 0o640) -> None:
+def write_json_atomic(path: Path, obj: Mapping[str, Any], mode: int = 0o640) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w") as f:
@@ -44,7 +45,7 @@ def write_json_atomic(path: Path, obj: dict, mode: int = 0o640) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         obj = json.load(f)
     if not isinstance(obj, dict):

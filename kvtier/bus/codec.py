@@ -8,10 +8,11 @@ new event type needs no codec change.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import types
 import typing
-from functools import cache
+from typing import Any
 
 import msgpack
 
@@ -28,15 +29,16 @@ I64_MAX = (1 << 63) - 1
 
 def encode(env: Envelope) -> bytes:
     body = {f.name: _to_wire(getattr(env.event, f.name)) for f in dataclasses.fields(env.event)}
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         {"v": SCHEMA_VERSION, "t": env.event.TYPE, "p": env.producer, "e": env.epoch, "s": env.seq, "b": body},
         use_bin_type=True,
     )
+    return packed
 
 
 def _to_wire(value: object) -> object:
-    if isinstance(value, Tier):
-        return int(value)
+    if isinstance(value, enum.Enum):  # Tier as its int, the str enums (Cause, Reason, Failure) as their str
+        return value.value
     if isinstance(value, StagedBlock):
         return [value.key, value.parent, value.slot, value.gen]
     if isinstance(value, tuple):
@@ -78,20 +80,23 @@ def decode(data: object) -> Envelope:
     body = obj["b"]
     if not isinstance(body, dict):
         raise MalformedEvent("body must be a map")
-    fields = _schema(cls)
+    fields = _SCHEMAS[cls.TYPE]
     if set(body) != set(fields):
         missing = sorted(set(fields) - set(body))
         extra = sorted(map(str, set(body) - set(fields)))
         raise MalformedEvent(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
-    kwargs = {name: _check(f"{cls.TYPE}.{name}", hint, body[name]) for name, hint in fields.items()}
+    # Each value is checked against its field's annotation, so the call below is well typed.
+    kwargs: dict[str, Any] = {name: _check(f"{cls.TYPE}.{name}", hint, body[name]) for name, hint in fields.items()}
     event: Event = cls(**kwargs)
     return Envelope(event=event, producer=producer, epoch=epoch, seq=seq)
 
 
-@cache
 def _schema(cls: type) -> dict[str, object]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_SCHEMAS = {name: _schema(cls) for name, cls in EVENT_TYPES.items()}  # field name -> annotation, per type
 
 
 def _check(where: str, hint: object, value: object) -> object:
@@ -111,6 +116,11 @@ def _check(where: str, hint: object, value: object) -> object:
         if type(value) is not int or value not in Tier._value2member_map_:
             raise MalformedEvent(f"{where}: unknown tier {value!r}")
         return Tier(value)
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        # Type first: an unhashable value (a list, a map) must not reach the dict lookup.
+        if type(value) is not str or value not in hint._value2member_map_:
+            raise MalformedEvent(f"{where}: expected one of {', '.join(hint)}, got {str(value)[:80]!r}")
+        return hint(value)
     if hint is StagedBlock:
         if not isinstance(value, list) or len(value) != 4:
             raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen]")
@@ -121,9 +131,20 @@ def _check(where: str, hint: object, value: object) -> object:
             slot=_uint(where + ".slot", slot),
             gen=_uint(where + ".gen", gen),
         )
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        return None if value is None else _check(where, inner, value)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1:
+            return _check(where, arms[0], value)
+        # Several arms (`Reason | Failure`): the first that accepts the value; their values are disjoint.
+        for arm in arms:
+            try:
+                return _check(where, arm, value)
+            except MalformedEvent:
+                continue
+        names = ", ".join(v for arm in arms if isinstance(arm, type) and issubclass(arm, enum.StrEnum) for v in arm)
+        raise MalformedEvent(f"{where}: expected one of {names}, got {str(value)[:80]!r}")
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(value, list):
             raise MalformedEvent(f"{where}: expected a list")

@@ -14,6 +14,8 @@ that is accepted (reliability.md §1.7). A blocking XREADGROUP must use BLOCK < 
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -36,7 +38,16 @@ def _check(url: str, socket_timeout: float, connect_timeout: float, retries: int
         raise ValueError("retries must be >= 0")
 
 
-def _kwargs(socket_timeout: float, connect_timeout: float) -> dict[str, object]:
+class _Options(TypedDict):
+    """The keyword arguments both clients get (typed, so `**` cannot reach another parameter)."""
+
+    decode_responses: bool
+    socket_timeout: float
+    socket_connect_timeout: float
+    health_check_interval: int
+
+
+def _kwargs(socket_timeout: float, connect_timeout: float) -> _Options:
     return {
         "decode_responses": False,
         "socket_timeout": socket_timeout,

@@ -12,60 +12,45 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
+import redis.asyncio
 import redis.exceptions
 import torch
 
 from kvtier.bus.connect import make_redis
-from kvtier.core.events import Access, Prefetch, Put, Tier
-from kvtier.bus.transport import BusStats, Publisher
-from kvtier.client.pools import ClientPool, host_rows
-from kvtier.shm.staging import StagingWriter
+from kvtier.bus.publisher import BusStats, Publisher
+from kvtier.client.access import AccessReports
 from kvtier.client.discovery import library_logger, read_descriptor
-from kvtier.runtime import runtime_dir_for
-from kvtier.runtime import DESCRIPTOR
+from kvtier.client.pools import ClientPool, host_rows, map_pools
+from kvtier.client.results import ClientStats, Lookup, PutResult
+from kvtier.core.events import Prefetch, Put, StagedBlock, Tier
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.logs import Log
 from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
+from kvtier.runtime import DESCRIPTOR, runtime_dir_for
+from kvtier.shm.staging import StagingWriter
 from kvtier.store.redis_blocks import redis_block_key
 
-ACCESS_FLUSH_S = 0.02
+T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
+R = TypeVar("R")  # what it answers per item
+# Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
+SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
+
 OFF_LOOP_BYTES = 256 << 10  # copies at least this big leave the caller's event loop
 DESCRIPTOR_CHECK_S = 0.5  # how often calls look for a restarted daemon (a new epoch)
 STREAM_MAXLEN = 100_000
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """`length` leading blocks are resident on this node, `tiers[i]` says where block i is.
-    `redis_length` more blocks after those are in Redis (only `locate` asks Redis)."""
-
-    length: int
-    tiers: tuple[Tier, ...]
-    redis_length: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    staged: int  # handed to the daemon; visible once it has verified and stored them
-    dropped: int  # not handed over: staging full or the daemon unreachable
-
-
-@dataclass(slots=True)
-class ClientStats:
-    reads: int = 0
-    read_misses: int = 0
-    put_dropped: int = 0
-    event_errors: int = 0
-
-
 class Client:
-    def __init__(self, rdir: Path, desc: dict, daemon_uid: int, redis_client, staging_blocks: int, log,
-                 copy_threads: int | None = None, blocks_redis=None) -> None:
+    def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: redis.asyncio.Redis,
+                 staging_blocks: int, log: Log, copy_threads: int | None = None,
+                 blocks_redis: redis.asyncio.Redis | None = None) -> None:
         copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         if copy_threads < 1:
             raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
@@ -83,22 +68,10 @@ class Client:
         self._client_stream: str = desc["streams"]["client"]
         self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
-        self.pools = self._map_pools(desc, daemon_uid)
+        self.pools = map_pools(desc, self.node, daemon_uid, staging_blocks)
         self.stats = ClientStats()
-        self._access: dict[str, tuple[list[bytes], list[int]]] = {}
-        self._flusher: asyncio.Task | None = None
+        self._access = AccessReports(self._publisher, self._client_stream, self.stats, self.log)
         self._next_check = time.monotonic() + DESCRIPTOR_CHECK_S
-
-    def _map_pools(self, desc: dict, daemon_uid: int) -> dict[str, ClientPool]:
-        pools: dict[str, ClientPool] = {}
-        try:
-            for name, p in desc["pools"].items():
-                pools[name] = ClientPool(name, p, self.node, daemon_uid, desc.get("shm_gid"), self._staging_blocks)
-        except BaseException:
-            for p in pools.values():
-                p.close()
-            raise
-        return pools
 
     def _follow_restarts(self) -> None:
         """Re-map the pools when the daemon has restarted (a new epoch in its descriptor): its
@@ -112,7 +85,7 @@ class Client:
             desc, uid = read_descriptor(self._rdir)
             if desc.get("epoch") == self.desc.get("epoch") or desc.get("node") != self.node:
                 return
-            pools = self._map_pools(desc, uid)
+            pools = map_pools(desc, self.node, uid, self._staging_blocks)
         except (DaemonUnavailable, SegmentError, OSError, KeyError, ValueError, TypeError):
             return
         old, self.pools, self.desc = self.pools, pools, desc
@@ -123,8 +96,8 @@ class Client:
     # --- connect / close -----------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, runtime_dir: str | os.PathLike | None = None, *, staging_blocks: int = 32,
-                      socket_timeout: float = 2.0, copy_threads: int | None = None) -> "Client":
+    async def connect(cls, runtime_dir: str | os.PathLike[str] | None = None, *, staging_blocks: int = 32,
+                      socket_timeout: float = 2.0, copy_threads: int | None = None) -> Client:
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
         copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop."""
@@ -132,10 +105,11 @@ class Client:
         desc, daemon_uid = read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
-        opts = dict(socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
-        r = make_redis(desc["redis"]["bus_url"], **opts)
+        r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
+                       retries=1)
         url = desc["redis"].get("url") or desc["redis"]["bus_url"]
-        blocks = None if url == desc["redis"]["bus_url"] else make_redis(url, **opts)
+        blocks = None if url == desc["redis"]["bus_url"] else make_redis(
+            url, socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
         try:
             client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks)
             client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
@@ -148,11 +122,7 @@ class Client:
             raise
 
     async def close(self) -> None:
-        if self._flusher is not None and not self._flusher.done():
-            # Let an in-flight report finish rather than cancel it half-sent.
-            await asyncio.wait([self._flusher], timeout=2.0)
-            self._flusher.cancel()
-        await self._flush_access()
+        await self._access.close()
         for p in self.pools.values():
             p.close()
         if self._copier is not None:
@@ -161,10 +131,10 @@ class Client:
         if self._blocks is not self._redis:
             await self._blocks.aclose()
 
-    async def __aenter__(self) -> "Client":
+    async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     def pool(self, name: str) -> ClientPool:
@@ -237,42 +207,46 @@ class Client:
         Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
         rows from n on may hold bytes of copies that failed verification or came after a miss."""
         p = self.pool(pool)
-        keys = [check_key(k) for k in keys]
-        p.check_tensor(out, len(keys), "out")
+        bkeys = [check_key(k) for k in keys]
+        p.check_tensor(out, len(bkeys), "out")
 
         def read(share: Sequence[int]) -> list[bool]:
-            return [p.read(keys[i], out[i]) for i in share]
+            return [p.read(bkeys[i], out[i]) for i in share]
 
         with p.in_use():
-            ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes,
+            ok = await self._copy(read, range(len(bkeys)), len(bkeys) * p.block_bytes,
                                   threads=1 if out.device.type != "cpu" else None)
-        return self._read_prefix(pool, keys, ok)
+        return self._read_prefix(pool, bkeys, ok)
 
-    async def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, np.ndarray], None],
-                       digest: Callable[[int], int]) -> int:
+    async def get_with(self, pool: str, keys: Sequence[bytes],
+                       copy_out: Callable[[int, npt.NDArray[np.uint8]], object], digest: Callable[[int], int]) -> int:
         """`get` into host memory of the caller's own layout: `copy_out(i, src)` copies block i
         from its slot (`src`, uint8, block_bytes) and `digest(i)` returns the xxh3-64 of what it
         wrote, in block order; a block whose digest or seqlock does not check out ends the prefix.
         Returns n as get does; what copy_out wrote for blocks from n on must not be used."""
         p = self.pool(pool)
-        keys = [check_key(k) for k in keys]
+        bkeys = [check_key(k) for k in keys]
+
+        def read_one(i: int) -> bool:
+            return p.read_with(bkeys[i], lambda src: copy_out(i, src), lambda: digest(i))
 
         def read(share: Sequence[int]) -> list[bool]:
-            return [p.read_with(keys[i], lambda src, i=i: copy_out(i, src), lambda i=i: digest(i)) for i in share]
+            return [read_one(i) for i in share]
 
         with p.in_use():
-            ok = await self._copy(read, range(len(keys)), len(keys) * p.block_bytes)
-        return self._read_prefix(pool, keys, ok)
+            ok = await self._copy(read, range(len(bkeys)), len(bkeys) * p.block_bytes)
+        return self._read_prefix(pool, bkeys, ok)
 
     def _read_prefix(self, pool: str, keys: list[BlockKey], ok: list[bool]) -> int:
         """How many leading blocks were read; counted, and reported to the daemon."""
         n = next((i for i, hit in enumerate(ok) if not hit), len(keys))
         self.stats.reads += n
         self.stats.read_misses += len(keys) - n
-        self._note_access(pool, keys[:n], len(keys) - n)
+        self._access.note(pool, keys[:n], len(keys) - n)
         return n
 
-    async def _copy(self, fn, items: Sequence, nbytes: int, threads: int | None = None) -> list:
+    async def _copy(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], nbytes: int,
+                    threads: int | None = None) -> list[R]:
         """fn over items: inline when small, else in this client's copy threads, off the caller's
         event loop. A GPU destination uses one thread (its pinned bounce buffer is per pool)."""
         if nbytes < self.off_loop_bytes or not items:
@@ -283,36 +257,37 @@ class Client:
 
     # --- put / prefetch ------------------------------------------------------------------------
 
-    async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None) -> PutResult:
+    async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *,
+                  parent: bytes | None = None) -> PutResult:
         """Hand new blocks to the daemon. `keys` is a chain: keys[0]'s parent is `parent` (None
         for the chain's first block). Never blocks on a busy daemon: what cannot be staged at
         once is dropped and counted."""
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
 
-        def writer(w: StagingWriter, n: int):
+        def writer(w: StagingWriter, n: int) -> Callable[[int, StagedBlock], StagedBlock]:
             rows = host_rows(kv, n)  # only the staged blocks leave a GPU
             return lambda i, b: w.fill_slot(b, rows[i])
 
         return await self._put(p, keys, parent, writer)
 
-    async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, np.ndarray], None], *,
-                       parent: bytes | None = None) -> PutResult:
+    async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object],
+                       *, parent: bytes | None = None) -> PutResult:
         """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
         `fill` may run in the client's copy threads, several blocks side by side."""
         p = self.pool(pool)
         return await self._put(p, keys, parent, lambda w, n: lambda i, b: w.fill_slot_with(b, lambda dst: fill(i, dst)))
 
-    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer) -> PutResult:
+    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer: SlotWriter) -> PutResult:
         """Stage what fits, filled by writer(staging, n_staged)(i, slot) in copy threads, then publish."""
         pool = p.name
-        keys = [check_key(k) for k in keys]
-        parent = None if parent is None else check_key(parent)
-        if not keys:
+        bkeys = [check_key(k) for k in keys]
+        bparent = None if parent is None else check_key(parent)
+        if not bkeys:
             return PutResult(0, 0)
         w = p.stager()
-        staged = w.take_slots(keys, parent)
+        staged = w.take_slots(bkeys, bparent)
         segment = w.seg.name
         if staged:
             try:
@@ -325,13 +300,13 @@ class Client:
                 raise
             staged = parts
             w.staged(staged)
-        dropped = len(keys) - len(staged)
+        dropped = len(bkeys) - len(staged)
         if staged:
             try:
                 await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged)))
             except redis.exceptions.RedisError as e:
                 w.unstage(staged)
-                dropped = len(keys)
+                dropped = len(bkeys)
                 staged = []
                 self.stats.event_errors += 1
                 self.log.warning("client.put_failed", pool=pool, error=str(e))
@@ -348,9 +323,10 @@ class Client:
     async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
         """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis."""
         self.pool(pool)
-        keys = tuple(check_key(k) for k in keys)
-        if keys:
-            await self._publisher.publish(self._client_stream, Prefetch(pool, keys, None if parent is None else check_key(parent)))
+        bkeys = tuple(check_key(k) for k in keys)
+        if bkeys:
+            await self._publisher.publish(self._client_stream,
+                                          Prefetch(pool, bkeys, None if parent is None else check_key(parent)))
 
     async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
         """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""
@@ -360,30 +336,3 @@ class Client:
                 return False
             await asyncio.sleep(0.005)
         return True
-
-    # --- access reports --------------------------------------------------------------------------
-
-    def _note_access(self, pool: str, keys: list[bytes], missed: int) -> None:
-        got, miss = self._access.setdefault(pool, ([], [0]))
-        got.extend(keys)
-        miss[0] += missed
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
-
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
-        await self._flush_access()
-
-    async def _flush_access(self) -> None:
-        batches, self._access = self._access, {}
-        items = [(self._client_stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
-                 if keys or miss[0]]
-        if not items:
-            return
-        try:
-            await self._publisher.publish_many(items)
-        except redis.exceptions.RedisError as e:
-            # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
-            self.stats.event_errors += 1
-            self.log.warning("client.access_report_failed", error=str(e))
-

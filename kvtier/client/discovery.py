@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.errors import DaemonUnavailable
+from kvtier.logs import Log
+from kvtier.runtime import DESCRIPTOR, read_json
 
 
-def read_descriptor(rdir: Path) -> tuple[dict, int]:
+def read_descriptor(rdir: Path) -> tuple[dict[str, Any], int]:
     """The daemon's descriptor and the uid that owns it, from a directory only that uid controls.
     A runtime directory another user could write (say a pre-created /tmp/kvtier-<uid>) could
     point us at segments and a Redis full of forged blocks, so it is refused."""
@@ -27,15 +29,18 @@ def read_descriptor(rdir: Path) -> tuple[dict, int]:
     return desc, fst.st_uid
 
 
-def library_logger():
+def library_logger() -> Log:
     """The client library's logger. If the application configured structlog, log through it;
     otherwise through stdlib logging, which prints only warnings and errors (to stderr) unless
     the application sets logging up: a library must not write to an inference worker's stdout."""
+    log: Log  # structlog types the loggers it makes as Any: whatever wrapper class is configured
     if structlog.is_configured():
-        return structlog.get_logger("kvtier.client")
-    return structlog.wrap_logger(
+        log = structlog.get_logger("kvtier.client")
+        return log
+    log = structlog.wrap_logger(
         logging.getLogger("kvtier.client"),
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
                     structlog.processors.KeyValueRenderer(key_order=["event", "level", "timestamp"])],
         wrapper_class=structlog.stdlib.BoundLogger,
     )
+    return log

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvtier.core.events import StagedBlock, Tier
 from kvtier.errors import BadRequest, SegmentError
+from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.shm.segment import ShmSegment
@@ -24,7 +29,7 @@ TORCH_DTYPES = {
 }
 
 
-def host_rows(kv: torch.Tensor, n: int):
+def host_rows(kv: torch.Tensor, n: int) -> npt.NDArray[np.uint8]:
     """kv's first n blocks as [n, block_bytes] uint8 host rows (a copy only for a GPU tensor)."""
     host = kv[:n].detach()
     if host.device.type != "cpu":
@@ -32,8 +37,21 @@ def host_rows(kv: torch.Tensor, n: int):
     return host.contiguous().view(torch.uint8).reshape(n, -1).numpy()
 
 
+def map_pools(desc: Mapping[str, Any], node: str, daemon_uid: int, staging_blocks: int) -> dict[str, ClientPool]:
+    """Every pool the daemon's descriptor lists, mapped; on a failure none stays mapped."""
+    pools: dict[str, ClientPool] = {}
+    try:
+        for name, p in desc["pools"].items():
+            pools[name] = ClientPool(name, p, node, daemon_uid, desc.get("shm_gid"), staging_blocks)
+    except BaseException:
+        for mapped in pools.values():
+            mapped.close()
+        raise
+    return pools
+
+
 class ClientPool:
-    def __init__(self, name: str, desc: dict, node: str, daemon_uid: int, shm_gid: int | None,
+    def __init__(self, name: str, desc: Mapping[str, Any], node: str, daemon_uid: int, shm_gid: int | None,
                  staging_blocks: int) -> None:
         self.name = name
         self.layout = BlockLayout.from_dict(desc["layout"])
@@ -50,7 +68,7 @@ class ClientPool:
         fp, bb = self.fingerprint, self.block_bytes
         self.directory = DirectoryReader(ShmSegment.attach(desc["directory"]["segment"], trusted_uid=daemon_uid), fp)
         self.tables: dict[Tier, SlotTable] = {}
-        self.gpu_device_payload = None
+        self.gpu_device_payload: torch.Tensor | None = None
         if desc.get("gpu"):
             g = desc["gpu"]
             seg = ShmSegment.attach(g["segment"], trusted_uid=daemon_uid)
@@ -87,7 +105,7 @@ class ClientPool:
         row = self.directory.find(key)
         return row is not None and bool(row[2] & IN_REDIS)
 
-    def _slots(self, key: bytes):
+    def _slots(self, key: bytes) -> Iterator[tuple[Tier, SlotTable, int]]:
         """(tier, table, slot) where the directory lists `key`, best tier first; the slot's own
         header is what a read then verifies."""
         row = self.directory.find(key)
@@ -105,7 +123,7 @@ class ClientPool:
         host = flat.numpy() if on_host else self._pinned().numpy()
         for tier, table, slot in self._slots(key):
             if tier == Tier.GPU and self.gpu_device_payload is not None:
-                if self._read_device(table, slot, key, flat):
+                if self._read_device(self.gpu_device_payload, table, slot, key, flat):
                     return True
                 continue
             if table.read_into(slot, key, host) is not None:
@@ -114,7 +132,8 @@ class ClientPool:
                 return True
         return False
 
-    def read_with(self, key: bytes, copy_out, digest) -> bool:
+    def read_with(self, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
+                  digest: Callable[[], int]) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block
         only in a CUDA gpu tier is a miss here."""
         return any(table.read_with(slot, key, copy_out, digest) is not None for tier, table, slot in self._slots(key)
@@ -127,15 +146,16 @@ class ClientPool:
             self._bounce = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
         return self._bounce
 
-    def _read_device(self, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
-        """Read a block of a real GPU pool into dst (flat uint8, any device). The bytes verified
-        are the caller's own copy, brought back to the host after the copy has finished: any
-        client can write the IPC mapping, so checking the source instead would leave a window
-        between the check and the copy. The seqlock re-check follows both copies."""
+    def _read_device(self, payload: torch.Tensor, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
+        """Read a block of a real GPU pool (`payload`: its IPC mapping) into dst (flat uint8, any
+        device). The bytes verified are the caller's own copy, brought back to the host after
+        the copy has finished: any client can write the IPC mapping, so checking the source
+        instead would leave a window between the check and the copy. The seqlock re-check
+        follows both copies."""
         snap = table.begin_read(slot, key)
         if snap is None:
             return False
-        dst.copy_(self.gpu_device_payload[slot])  # device to device, or a blocking D2H
+        dst.copy_(payload[slot])  # device to device, or a blocking D2H
         if dst.device.type == "cpu":
             host = dst.numpy()
         else:
@@ -153,7 +173,7 @@ class ClientPool:
                                                 daemon_uid=self._uid, shm_gid=self._gid)
         return self.staging
 
-    def stage(self, keys: list[bytes], parent: bytes | None, kv: torch.Tensor) -> list[StagedBlock]:
+    def stage(self, keys: Sequence[BlockKey], parent: BlockKey | None, kv: torch.Tensor) -> list[StagedBlock]:
         """Write blocks into free staging slots, here and now. Stops at the first block with no free slot."""
         w = self.stager()
         taken = w.take_slots(keys, parent)
@@ -178,7 +198,7 @@ class ClientPool:
         return t
 
     @contextmanager
-    def in_use(self):
+    def in_use(self) -> Iterator[ClientPool]:
         """Held while threads copy through this pool's mappings: a close meanwhile (the daemon
         restarted, the client closes) waits until they are done, rather than unmap under them."""
         self._users += 1

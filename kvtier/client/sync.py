@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvtier.client.client import Client, Lookup, PutResult
+from kvtier.client.client import Client
+from kvtier.client.pools import ClientPool
+from kvtier.client.results import Lookup, PutResult
 from kvtier.keys import BlockKey
 from kvtier.processes import pid_alive
 
+T = TypeVar("T")
+
 
 class SyncClient:
-    def __init__(self, runtime_dir=None, *, staging_blocks: int = 32, timeout: float = 30.0,
-                 socket_timeout: float = 2.0) -> None:
+    def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, *, staging_blocks: int = 32,
+                 timeout: float = 30.0, socket_timeout: float = 2.0) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-client", daemon=True)
         self._thread.start()
@@ -27,7 +35,7 @@ class SyncClient:
             self._stop_loop()
             raise
 
-    def _call(self, coro, timeout: float | None = None):
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(self._timeout if timeout is None else timeout)
@@ -49,15 +57,16 @@ class SyncClient:
     def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, timeout: float | None = None) -> int:
         return self._call(self._client.get(pool, keys, out), timeout)
 
-    def get_with(self, pool: str, keys: Sequence[bytes], copy_out, digest, *, timeout: float | None = None) -> int:
+    def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, npt.NDArray[np.uint8]], object],
+                 digest: Callable[[int], int], *, timeout: float | None = None) -> int:
         return self._call(self._client.get_with(pool, keys, copy_out, digest), timeout)
 
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
             timeout: float | None = None) -> PutResult:
         return self._call(self._client.put(pool, keys, kv, parent=parent), timeout)
 
-    def put_with(self, pool: str, keys: Sequence[bytes], fill, *, parent: bytes | None = None,
-                 timeout: float | None = None) -> PutResult:
+    def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object], *,
+                 parent: bytes | None = None, timeout: float | None = None) -> PutResult:
         return self._call(self._client.put_with(pool, keys, fill, parent=parent), timeout)
 
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
@@ -69,7 +78,7 @@ class SyncClient:
         self._client._follow_restarts()
         return pid_alive(self._client.desc.get("pid"))
 
-    def pool(self, name: str):
+    def pool(self, name: str) -> ClientPool:
         """The mapped pool (its layout, block shape and dtype); UnknownPool if not served."""
         return self._client.pool(name)
 
@@ -87,8 +96,8 @@ class SyncClient:
         self._thread.join(5)
         self._loop.close()
 
-    def __enter__(self) -> "SyncClient":
+    def __enter__(self) -> SyncClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,7 +8,6 @@ import re
 import socket
 import tomllib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from kvtier.config.fields import NAME_PATTERN, NAME_WHAT, Invalid, checked_fields, did_you_mean, is_required, shown
@@ -22,8 +21,8 @@ from kvtier.config.schema import (
     Origins,
     PoolConfig,
 )
-from kvtier.runtime import default_runtime_dir
 from kvtier.layout import BlockLayout
+from kvtier.runtime import default_runtime_dir
 
 
 def load_config(path: str | os.PathLike[str] | None,

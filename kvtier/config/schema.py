@@ -22,7 +22,6 @@ from kvtier.errors import KvtierError
 from kvtier.failpoints import SPEC as FAILPOINT
 from kvtier.layout import DTYPE_BYTES
 
-
 ENV_PREFIX = "KVTIER__"
 _REDIS_URL = r"(rediss?|unix)://\S+"
 _DEVICE = r"auto|cpu|cuda(:[0-9]+)?"

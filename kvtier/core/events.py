@@ -14,7 +14,9 @@ from typing import ClassVar
 
 from kvtier.keys import BlockKey
 
-SCHEMA_VERSION = 1
+# 2: facts carry a typed cause (Cause) and a removed fact its why (Reason | Failure), where 1 had
+# strings such as `promote_failed:verify`; a daemon rejects (dead-letters) the other version's entries.
+SCHEMA_VERSION = 2
 
 
 class Tier(enum.IntEnum):
@@ -27,6 +29,35 @@ class Tier(enum.IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower()
+
+
+class Cause(enum.StrEnum):
+    """The command a fact answers: its op. A `removed` fact also says why (`Reason`, `Failure`)."""
+
+    STORE = "store"
+    PROMOTE = "promote"
+    DEMOTE = "demote"
+    COPY = "copy"
+    EVICT = "evict"
+
+
+class Reason(enum.StrEnum):
+    """Why a block leaves a tier: carried by an `evict` and by the `removed` fact it leads to."""
+
+    CLEAN = "clean"  # a lower tier holds it
+    DEMOTED = "demoted"  # written back: the lower tier reported it stored
+    UNREUSED = "unreused"  # the frequency filter's documented drop (redis_admit_after_hits)
+    MAKE_ROOM = "make_room"  # a full tier's worker dropped it for a new block; a lower tier holds it
+
+
+class Failure(enum.StrEnum):
+    """Why a store or transfer did not complete: a `removed` fact with that command's cause."""
+
+    BAD_STAGING = "bad_staging"  # the staging segment or slot could not be read
+    VERIFY = "verify"  # the staged bytes changed or failed their checksum
+    NO_ROOM = "no_room"  # no free slot and nothing clean to evict
+    REDIS = "redis"  # the Redis write failed
+    SOURCE_MISS = "source_miss"  # the source tier no longer holds a valid copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +168,7 @@ class Evict:
     pool: str
     key: BlockKey
     tier: Tier
-    reason: str
+    reason: Reason
 
 
 # --- tier facts ----------------------------------------------------------------------------
@@ -145,7 +176,7 @@ class Evict:
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """`key` is now visible in `tier` at `slot` (slot -1 for Redis). `cause` is the command type."""
+    """`key` is now visible in `tier` at `slot` (slot -1 for Redis), by the command `cause`."""
 
     TYPE: ClassVar[str] = "stored"
     pool: str
@@ -153,22 +184,24 @@ class Stored:
     parent: BlockKey | None
     tier: Tier
     slot: int
-    cause: str
+    cause: Cause
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
-    """`key` left `tier` (or never made it: cause names why)."""
+    """`key` left `tier` by an evict (`why` is its Reason), or never made it there: the command
+    `cause` failed (`why` is a Failure)."""
 
     TYPE: ClassVar[str] = "removed"
     pool: str
     key: BlockKey
     tier: Tier
-    cause: str
+    cause: Cause
+    why: Reason | Failure
 
 
 Event = Access | Put | Prefetch | Store | Promote | Demote | Copy | Evict | Stored | Removed
-EVENT_TYPES: dict[str, type] = {
+EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (Access, Put, Prefetch, Store, Promote, Demote, Copy, Evict, Stored, Removed)
 }
 

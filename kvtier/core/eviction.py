@@ -1,19 +1,25 @@
-"""The tier workers' eviction rules, pure: what may leave a tier now, and what to remember after.
+"""The tier workers' eviction rules, pure: what may leave a tier now.
 
 The policy chooses what to shed (`Placement.pressure`); a worker carries the choice out a moment
 later, when things may have changed. These functions decide at that moment, from the indices
-alone, and return a verdict the worker acts on. The tier worker and the Hypothesis state machine
-(tests/unit/test_policy_state.py) call the same functions, so the machine checks the rules that
-production runs. No I/O: where the answer depends on Redis, the verdict says "ask Redis" and
-`after_redis_check` finishes it.
+alone, and return a verdict the worker acts on; what the worker then did goes back through the
+Placement (`dropped`, `refused`, `not_in_redis`). The tier worker and the Hypothesis state
+machine (tests/unit/test_policy_state.py) call the same functions, so the machine checks the
+rules that production runs. No I/O: where the answer depends on Redis, the verdict says "ask
+Redis" and `after_redis_check` finishes it.
 """
 
 from __future__ import annotations
 
 import enum
 
-from kvtier.core.events import Tier
+from kvtier.core.events import Reason, Tier
 from kvtier.core.policy import DROP_REASONS, Placement
+from kvtier.keys import BlockKey
+
+# How many victims a full tier tries before giving up making room: each one Redis turns out
+# not to hold any more is forgotten, so a stale record costs one more try, not a loop.
+ROOM_TRIES = 4
 
 
 class Verdict(enum.Enum):
@@ -28,7 +34,7 @@ class Verdict(enum.Enum):
 REFUSED = frozenset({Verdict.BUSY, Verdict.ONLY_COPY})
 
 
-def evict_verdict(p: Placement, t: Tier, key: bytes, reason: str) -> Verdict:
+def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdict:
     """Whether the worker of local tier `t` may drop `key` now, for an `evict` with `reason`."""
     idx = p.tiers[t]
     entry = idx.get(key)
@@ -46,19 +52,16 @@ def evict_verdict(p: Placement, t: Tier, key: bytes, reason: str) -> Verdict:
     return Verdict.DROP if reason in DROP_REASONS else Verdict.ONLY_COPY
 
 
-def after_redis_check(present: bool, reason: str) -> Verdict:
+def after_redis_check(present: bool, reason: Reason) -> Verdict:
     """ASK_REDIS finished: Redis has it (drop), or not (only a documented drop may go on)."""
     return Verdict.DROP if present or reason in DROP_REASONS else Verdict.ONLY_COPY
 
 
-def forget_redis_copy(p: Placement, key: bytes) -> None:
-    """Redis no longer holds `key` (expired, evicted): stop believing it does."""
-    p.tiers[Tier.REDIS].remove(key)
-
-
-def after_local_drop(p: Placement, key: bytes) -> None:
-    """Call once a local copy is dropped. When no local tier holds the block any more, stop
-    tracking its Redis copy too: the daemon needs to know about Redis only for blocks it might
-    drop locally, which keeps that record bounded by local capacity."""
-    if all(p.tiers[t].get(key) is None for t in (Tier.GPU, Tier.CPU)):
-        p.tiers[Tier.REDIS].remove(key)
+def room_victim(p: Placement, t: Tier) -> tuple[BlockKey, Verdict] | None:
+    """What full local tier `t` drops to make room for a new block (reason MAKE_ROOM): a block
+    the next tier holds, with DROP (gpu: cpu holds it) or ASK_REDIS (cpu: Redis is believed to
+    hold it, so confirm before the last local copy goes). None when there is no such block."""
+    key = p.clean_victim(t)
+    if key is None:
+        return None
+    return key, Verdict.ASK_REDIS if t == Tier.CPU else Verdict.DROP

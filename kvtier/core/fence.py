@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvtier.keys import BlockKey
+
 Stamp = tuple[int, int]  # (epoch, seq)
 
 
@@ -25,17 +27,17 @@ class CommandFence:
         if capacity < 1:
             raise ValueError("fence capacity must be positive")
         self.capacity = capacity
-        self._last: OrderedDict[tuple[str, bytes], Stamp] = OrderedDict()
+        self._last: OrderedDict[tuple[str, BlockKey], Stamp] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._last)
 
-    def stale(self, pool: str, key: bytes, stamp: Stamp) -> bool:
+    def stale(self, pool: str, key: BlockKey, stamp: Stamp) -> bool:
         """Whether a newer command for this block has already been applied."""
         last = self._last.get((pool, key))
         return last is not None and stamp < last
 
-    def record(self, pool: str, key: bytes, stamp: Stamp) -> None:
+    def record(self, pool: str, key: BlockKey, stamp: Stamp) -> None:
         """A command for this block was applied (call only after its handler succeeded)."""
         k = (pool, key)
         last = self._last.get(k)

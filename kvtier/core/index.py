@@ -1,7 +1,9 @@
 """The pure per-tier index: which block sits in which slot, in LRU order, with pins and prefix links.
 
-Synchronous and I/O-free: the async tier workers call it and act on what it returns. One
-TierIndex covers one tier of one pool. "Cannot satisfy" is a None return that changes nothing.
+Synchronous and I/O-free. One TierIndex covers one tier of one pool, and the pool's Placement
+(kvtier/core/policy.py) owns it: the tier workers change it only through Placement's methods
+(a warm restart fills the fresh cpu index before that Placement exists). "Cannot satisfy" is a
+None return that changes nothing.
 
 Prefix awareness: an entry counts its children resident in the same tier. Only entries with no
 resident children are eviction candidates, so a chain's tail always leaves before its head (as
@@ -15,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvtier.keys import BlockKey
+
 
 class State(enum.Enum):
     PENDING = "pending"  # slot reserved, bytes in flight; not visible
@@ -23,8 +27,8 @@ class State(enum.Enum):
 
 @dataclass(slots=True)
 class Entry:
-    key: bytes
-    parent: bytes | None
+    key: BlockKey
+    parent: BlockKey | None
     slot: int
     state: State = State.PENDING
     pins: int = 0
@@ -38,11 +42,11 @@ class TierIndex:
     def __init__(self, capacity: int | None) -> None:
         self.capacity = capacity
         self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
-        self._entries: dict[bytes, Entry] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # READY entries, coldest first
+        self._entries: dict[BlockKey, Entry] = {}
+        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # READY entries, coldest first
         # READY children per parent key, whether or not the parent is here yet, so a parent that
         # arrives after its child is still protected.
-        self._kids: dict[bytes, int] = {}
+        self._kids: dict[BlockKey, int] = {}
         self.leaving = 0  # entries marked leaving
 
     # --- queries -------------------------------------------------------------------------------
@@ -51,10 +55,10 @@ class TierIndex:
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        e = self._entries.get(key)  # type: ignore[arg-type]
+        e = self._entries.get(BlockKey(key)) if isinstance(key, bytes) else None
         return e is not None and e.state is State.READY
 
-    def get(self, key: bytes) -> Entry | None:
+    def get(self, key: BlockKey) -> Entry | None:
         return self._entries.get(key)
 
     @property
@@ -69,19 +73,19 @@ class TierIndex:
         for key in self._lru:
             yield self._entries[key]
 
-    def candidates(self) -> Iterator[bytes]:
+    def candidates(self) -> Iterator[BlockKey]:
         """Eviction candidates, coldest first: READY, unpinned, no resident children."""
         for key in self._lru:
             e = self._entries[key]
             if e.pins == 0 and not self._kids.get(key):
                 yield key
 
-    def children(self, key: bytes) -> int:
+    def children(self, key: BlockKey) -> int:
         return self._kids.get(key, 0)
 
     # --- transitions ---------------------------------------------------------------------------
 
-    def reserve(self, key: bytes, parent: bytes | None, slot: int | None = None) -> Entry | None:
+    def reserve(self, key: BlockKey, parent: BlockKey | None, slot: int | None = None) -> Entry | None:
         """Take a free slot (or the given one) for `key`, PENDING. None if present or full."""
         if key in self._entries:
             return None
@@ -100,7 +104,7 @@ class TierIndex:
         self._entries[key] = e
         return e
 
-    def commit(self, key: bytes) -> Entry | None:
+    def commit(self, key: BlockKey) -> Entry | None:
         """PENDING -> READY: visible, most recently used, counted as its parent's child."""
         e = self._entries.get(key)
         if e is None or e.state is State.READY:
@@ -111,12 +115,12 @@ class TierIndex:
             self._kids[e.parent] = self._kids.get(e.parent, 0) + 1
         return e
 
-    def add(self, key: bytes, parent: bytes | None, slot: int | None = None) -> Entry | None:
+    def add(self, key: BlockKey, parent: BlockKey | None, slot: int | None = None) -> Entry | None:
         """reserve + commit in one step (used when rebuilding from slot headers)."""
         e = self.reserve(key, parent, slot)
         return None if e is None else self.commit(key)
 
-    def remove(self, key: bytes) -> Entry | None:
+    def remove(self, key: BlockKey) -> Entry | None:
         """Forget `key` and free its slot. Returns the removed entry, or None if absent."""
         e = self._entries.pop(key, None)
         if e is None:
@@ -135,26 +139,26 @@ class TierIndex:
             self._free.append(e.slot)
         return e
 
-    def touch(self, key: bytes) -> Entry | None:
+    def touch(self, key: BlockKey) -> Entry | None:
         e = self._entries.get(key)
         if e is not None and e.state is State.READY:
             self._lru.move_to_end(key)
             e.hits += 1
         return e
 
-    def pin(self, key: bytes) -> bool:
+    def pin(self, key: BlockKey) -> bool:
         e = self._entries.get(key)
         if e is None:
             return False
         e.pins += 1
         return True
 
-    def unpin(self, key: bytes) -> None:
+    def unpin(self, key: BlockKey) -> None:
         e = self._entries.get(key)
         if e is not None and e.pins > 0:
             e.pins -= 1
 
-    def mark_leaving(self, key: bytes) -> bool:
+    def mark_leaving(self, key: BlockKey) -> bool:
         """Chosen for demotion or eviction: pinned (still readable) and not chosen again."""
         e = self._entries.get(key)
         if e is None or e.leaving:
@@ -164,7 +168,7 @@ class TierIndex:
         self.leaving += 1
         return True
 
-    def clear_leaving(self, key: bytes) -> None:
+    def clear_leaving(self, key: BlockKey) -> None:
         """The move failed or was refused: the block stays and may be chosen again later."""
         e = self._entries.get(key)
         if e is not None and e.leaving:

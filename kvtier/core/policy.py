@@ -1,7 +1,8 @@
 """Placement policy: a pure function of the tier indices that returns commands for the workers.
 
 It imports neither asyncio, redis nor torch. The coordinator calls it after each batch of client
-events and tier facts and publishes what it returns; the tier workers carry the commands out.
+events and tier facts and publishes what it returns; the tier workers carry the commands out and
+report what they did to the tier indices through it (kvtier/core/residency.py), which owns them.
 
 Rules (config `[policy]`):
 - A put lands in the highest local tier with room (gpu, then cpu); with no local room it is
@@ -22,8 +23,9 @@ Rules (config `[policy]`):
   while it has room). A block with no free cpu slot yet waits (up to half the tier, for
   `prefetch_lease_s`) and is promoted as shedding frees room: a promote is sent only with a
   slot for it. Prefetched blocks are leased for
-  `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, so a
-  prefetch into a full tier is not undone before the client gets to read it. Leases cover at
+  `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, and a
+  move out of a tier chosen before the prefetch is called off, so a prefetch into a full tier
+  is not undone before the client gets to read it. Leases cover at
   most half the local slots, so prefetches cannot crowd out the blocks that are being read.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
@@ -33,62 +35,42 @@ Time is passed in (`now`), never read here.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
-from kvtier.core.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.index import State, TierIndex
-
-
-class RedisWrite(enum.Enum):
-    """When blocks go to Redis (config `[policy] redis_write`)."""
-
-    WRITE_BACK = "write-back"  # when the cpu tier sheds them
-    WRITE_THROUGH = "write-through"  # as soon as they are stored locally
-
+from kvtier.core.knobs import PolicyKnobs as PolicyKnobs  # re-exported: the daemon builds them from here
+from kvtier.core.knobs import RedisWrite as RedisWrite
+from kvtier.core.residency import LOCAL, Residency
+from kvtier.keys import BlockKey
 
 # Evict reasons that may drop a block no lower tier holds: documented rules, not accidents.
-DROP_REASONS = frozenset({"unreused"})
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyKnobs:
-    high_watermark: float = 0.9
-    low_watermark: float = 0.75
-    promote_after_hits: int = 2
-    prefetch_lease_s: float = 5.0
-    transfer_timeout_s: float = 30.0
-    redis_write: RedisWrite = RedisWrite.WRITE_BACK
-    redis_admit_after_hits: int = 0  # 0: every block may go to Redis
-    prefetch_to: Tier = Tier.CPU
-
+DROP_REASONS = frozenset({Reason.UNREUSED})
 
 Command = Store | Promote | Demote | Copy | Evict
-LOCAL = (Tier.GPU, Tier.CPU)
 
 
-class Placement:
-    """Decisions for one pool. `tiers` maps every Tier to its index (Redis: keys known there)."""
+class Placement(Residency):
+    """Decisions for one pool, over the tier indices it owns (`Residency`)."""
 
     def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
+        super().__init__(tiers)
         self.pool = pool
-        self.tiers = tiers
         self.knobs = knobs
         # Blocks commanded into a local tier whose outcome fact has not come back: key -> give-up
         # time. Counting them keeps a burst of puts from over-filling a tier before its worker
         # catches up.
-        self._incoming: dict[Tier, dict[bytes, float]] = {t: {} for t in LOCAL}
-        self._leaving: dict[tuple[Tier, bytes], float] = {}  # (tier, key) chosen to leave -> give-up time
-        self._leases: dict[bytes, float] = {}  # prefetched key -> lease expiry
+        self._incoming: dict[Tier, dict[BlockKey, float]] = {t: {} for t in LOCAL}
+        self._leaving: dict[tuple[Tier, BlockKey], float] = {}  # (tier, key) chosen to leave -> give-up time
+        self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
         # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
         # first): key -> (parent, give-up time). Promoted as shedding frees room.
-        self._wanted: dict[bytes, tuple[bytes | None, float]] = {}
+        self._wanted: dict[BlockKey, tuple[BlockKey | None, float]] = {}
         # Demotes in flight: (destination, key) -> source. A block can be leaving gpu and cpu at
         # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
         # the fact alone does not say which copy a completed write-back releases.
-        self._demoting: dict[tuple[Tier, bytes], Tier] = {}
+        self._demoting: dict[tuple[Tier, BlockKey], Tier] = {}
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -102,23 +84,16 @@ class Placement:
         idx = self.tiers[t]
         return max(0, idx.free - self.incoming(t)) if idx.capacity else 0
 
-    def where(self, key: bytes) -> Tier | None:
-        """The highest tier known to hold `key` as a visible block."""
-        for t in (Tier.GPU, Tier.CPU, Tier.REDIS):
-            if key in self.tiers[t]:
-                return t
-        return None
-
     # --- decisions -----------------------------------------------------------------------------
 
-    def admit(self, keys: Sequence[bytes], now: float) -> list[Tier | None]:
+    def admit(self, keys: Sequence[BlockKey], now: float) -> list[Tier | None]:
         """Where each new block from a client goes: the highest local tier with room (counting
         blocks already on their way in), else straight to Redis rather than dropping it.
         None for a block already here or already on its way (a duplicate put)."""
         self._expire(now)
         room = {t: self.room(t) for t in LOCAL}
         out: list[Tier | None] = []
-        seen: set[bytes] = set()
+        seen: set[BlockKey] = set()
         for key in keys:
             if key in seen or any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
                 out.append(None)
@@ -131,7 +106,7 @@ class Placement:
             out.append(tier)
         return out
 
-    def on_access(self, keys: Iterable[bytes], now: float) -> list[Command]:
+    def on_access(self, keys: Iterable[BlockKey], now: float) -> list[Command]:
         self._expire(now)
         out: list[Command] = []
         gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
@@ -150,12 +125,12 @@ class Placement:
                 out.append(Copy(self.pool, key, e.parent, Tier.GPU if g is not None else Tier.CPU, Tier.REDIS))
         return out
 
-    def _reused(self, key: bytes) -> bool:
+    def _reused(self, key: BlockKey) -> bool:
         """Whether Redis should admit this block (the frequency filter)."""
         n = self.knobs.redis_admit_after_hits
         return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
 
-    def on_prefetch(self, keys: Sequence[bytes], head_parent: bytes | None, now: float) -> list[Command]:
+    def on_prefetch(self, keys: Sequence[BlockKey], head_parent: BlockKey | None, now: float) -> list[Command]:
         out: list[Command] = []
         expiry = now + self.knobs.prefetch_lease_s
         cpu = self.tiers[Tier.CPU]
@@ -190,6 +165,12 @@ class Placement:
                 cpu.touch(key)
             if len(self._leases) < self._lease_cap:
                 self._leases[key] = expiry
+                # Leased: a move out decided before this prefetch is called off, so that the
+                # block stays on the node until it is read (a late evict finds it no longer
+                # leaving and skips it; a write-back that completes leaves a spare copy below).
+                for t in LOCAL:
+                    if (e := self.tiers[t].get(key)) is not None and e.leaving:
+                        self._unmark(t, key)
             parent = key
         return out
 
@@ -202,13 +183,17 @@ class Placement:
     def on_fact(self, fact: Stored | Removed) -> list[Command]:
         """Settle what was in flight; finish write-backs: once the next tier stored a demoted
         block, drop it up here."""
-        cause = fact.cause.split("_failed:")[0]
-        if fact.tier in self._incoming and cause in (Store.TYPE, Promote.TYPE, Demote.TYPE):
+        cause = fact.cause  # a Removed of any cause but EVICT is that command's failure
+        if fact.tier in self._incoming and cause in (Cause.STORE, Cause.PROMOTE, Cause.DEMOTE):
             self._incoming[fact.tier].pop(fact.key, None)
-        if fact.tier != Tier.GPU and cause == Demote.TYPE:
+        if fact.tier != Tier.GPU and cause == Cause.DEMOTE:
             src = self._demoting.pop((fact.tier, fact.key), None)
             if src is None:
-                src = self._demote_source(fact.tier, fact.key)
+                # No demote to this tier is in flight: the fact is late or redelivered, and its
+                # record settled or expired. A leaving mark the block carries now belongs to
+                # another command (an evict, or a demote elsewhere), which reports on its own;
+                # the copy below, if stored, is merely a spare.
+                return []
             if isinstance(fact, Stored):
                 e = self.tiers[src].get(fact.key)
                 # Only a block still on its way out may go; a redelivered fact must not evict a
@@ -222,26 +207,29 @@ class Placement:
                     return []
                 if (src, fact.key) in self._leaving:  # a full timeout for the last step
                     self._leaving[(src, fact.key)] += self.knobs.transfer_timeout_s
-                return [Evict(self.pool, fact.key, src, "demoted")]
+                return [Evict(self.pool, fact.key, src, Reason.DEMOTED)]
             else:  # the demote failed: the block stays where it was and may be chosen again
                 self._unmark(src, fact.key)
-        if isinstance(fact, Removed) and fact.cause.startswith("evict:"):
-            self._leaving.pop((fact.tier, fact.key), None)
-        if isinstance(fact, Removed) and fact.cause.startswith(f"{Promote.TYPE}_failed:"):
+        if isinstance(fact, Removed) and cause == Cause.EVICT:
+            # The worker drops a block before it reports it. A block here and leaving again
+            # came back since (a late or redelivered fact): its record belongs to the newer
+            # mark, which must still be able to expire.
+            e = self.tiers[fact.tier].get(fact.key)
+            if e is None or not e.leaving:
+                self._leaving.pop((fact.tier, fact.key), None)
+        if isinstance(fact, Removed) and cause == Cause.PROMOTE and not self._expected(fact.key):
             self._leases.pop(fact.key, None)  # nothing came: do not hold a lease slot for it
-        if (isinstance(fact, Stored) and fact.tier in LOCAL and fact.cause == Store.TYPE
+        if (isinstance(fact, Stored) and fact.tier in LOCAL and cause == Cause.STORE
                 and self.knobs.redis_write is RedisWrite.WRITE_THROUGH and not self.knobs.redis_admit_after_hits
                 and fact.key not in self.tiers[Tier.REDIS]):
             return [Copy(self.pool, fact.key, fact.parent, fact.tier, Tier.REDIS)]
         return []
 
-    def _demote_source(self, dst: Tier, key: bytes) -> Tier:
-        """For a demote fact with no record (redelivered after its record settled or expired):
-        the tier above `dst` where the block is leaving, else the tier right above."""
-        for t in LOCAL:
-            if t < dst and (e := self.tiers[t].get(key)) is not None and e.leaving:
-                return t
-        return Tier(dst - 1)
+    def _expected(self, key: BlockKey) -> bool:
+        """Whether `key` is here or on its way: a failed promote (perhaps a late one) leaves the
+        lease of such a block alone."""
+        return key in self._wanted or any(self.tiers[t].get(key) is not None or key in self._incoming[t]
+                                          for t in LOCAL)
 
     def revert(self, cmds: Iterable[Command]) -> None:
         """The commands were never published: undo what deciding them marked."""
@@ -252,7 +240,7 @@ class Placement:
             if isinstance(c, (Demote, Evict)):
                 self._unmark(c.src if isinstance(c, Demote) else c.tier, c.key)
 
-    def refused(self, t: Tier, key: bytes) -> None:
+    def refused(self, t: Tier, key: BlockKey) -> None:
         """A worker refused to evict: the block stays and may be chosen again."""
         self._unmark(t, key)
 
@@ -288,7 +276,7 @@ class Placement:
         for t, key in [tk for tk, until in self._leaving.items() if until <= now]:
             self._unmark(t, key)
 
-    def _unmark(self, t: Tier, key: bytes) -> None:
+    def _unmark(self, t: Tier, key: BlockKey) -> None:
         self._leaving.pop((t, key), None)
         for dst in (Tier.CPU, Tier.REDIS):
             if self._demoting.get((dst, key)) == t:
@@ -320,9 +308,9 @@ class Placement:
                 # leave before them: write the gpu block straight to Redis rather than deadlock.
                 dst = Tier.REDIS
             if key in self.tiers[dst]:
-                out.append(Evict(self.pool, key, t, "clean"))
+                out.append(Evict(self.pool, key, t, Reason.CLEAN))
             elif dst == Tier.REDIS and not self._reused(key):
-                out.append(Evict(self.pool, key, t, "unreused"))  # the frequency filter's drop
+                out.append(Evict(self.pool, key, t, Reason.UNREUSED))  # the frequency filter's drop
             else:
                 out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))
                 self._demoting[(dst, key)] = t
@@ -333,7 +321,7 @@ class Placement:
             excess -= 1
         return out
 
-    def clean_victim(self, t: Tier) -> bytes | None:
+    def clean_victim(self, t: Tier) -> BlockKey | None:
         """A block `t` may drop right now to make room: one the next tier is believed to hold.
         For cpu that belief is the record of what was written to Redis; the worker confirms it
         with Redis before dropping the last local copy."""
@@ -341,7 +329,7 @@ class Placement:
             return None
         return next(self._clean_victims(t), None)
 
-    def _clean_victims(self, t: Tier) -> Iterator[bytes]:
+    def _clean_victims(self, t: Tier) -> Iterator[BlockKey]:
         idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]
         for e in idx.ready():
             # A block already leaving for the tier below counts: its pin is ours, not a reader's.
@@ -357,7 +345,7 @@ class Placement:
         found = sum(1 for _ in itertools.islice(self._clean_victims(t), deficit + want))
         return max(0, found - deficit)
 
-    def _extended_above(self, t: Tier, key: bytes) -> bool:
+    def _extended_above(self, t: Tier, key: BlockKey) -> bool:
         """Leaving cpu means leaving the node. A block whose extension is still resident in gpu
         must stay: without it every lookup of that prefix stops short of the cached tail."""
         return t == Tier.CPU and self.tiers[Tier.GPU].children(key) > 0

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
+from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.core.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.bus.streams import StreamNames
-from kvtier.bus.transport import Delivery
+from kvtier.core.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
 from kvtier.errors import MalformedEvent
 from kvtier.tiers.pool import PoolRuntime
 

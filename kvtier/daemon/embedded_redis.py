@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 from kvtier.config import EmbeddedRedisConfig
-from kvtier.processes import die_with_parent
 from kvtier.errors import KvtierError
+from kvtier.processes import die_with_parent
 
 
 class EmbeddedRedis:
@@ -50,7 +50,8 @@ class EmbeddedRedis:
         deadline = loop.time() + timeout_s
         while not self.socket_path.exists():
             if self.proc.returncode is not None:
-                raise KvtierError(f"embedded redis-server exited with {self.proc.returncode}; see {self.runtime_dir / 'redis.log'}")
+                log = self.runtime_dir / "redis.log"
+                raise KvtierError(f"embedded redis-server exited with {self.proc.returncode}; see {log}")
             if loop.time() > deadline:
                 await self.stop()
                 raise KvtierError("embedded redis-server did not open its socket in time")

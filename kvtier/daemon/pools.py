@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import os
-from kvtier.core.events import Tier
+
 from kvtier.config import PolicyConfig, PoolConfig
-from kvtier.tiers.stats import PoolCounters
+from kvtier.core.events import Tier
+from kvtier.core.index import TierIndex
+from kvtier.core.policy import Placement, PolicyKnobs, RedisWrite
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity
-from kvtier.core.index import TierIndex
-from kvtier.tiers.local import LocalTier
-from kvtier.core.policy import Placement, PolicyKnobs, RedisWrite
-from kvtier.tiers.pool import PoolRuntime
-from kvtier.store.redis_blocks import RedisBlocks
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable, segment_bytes
+from kvtier.store.redis_blocks import RedisBlocks
+from kvtier.tiers.local import LocalTier
+from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.stats import PoolCounters
 
 
 def segment_name(node: str, pool: str, part: str) -> str:

@@ -75,7 +75,7 @@ class DirectoryWriter(DirectoryReader):
         self._rows: dict[bytes, list[int]] = {}  # key -> [gpu, cpu, flags]
 
     @classmethod
-    def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> "DirectoryWriter":
+    def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> DirectoryWriter:
         seg.buf[: directory_bytes(capacity)] = bytes(directory_bytes(capacity))
         _HEAD.pack_into(seg.buf, 0, DIR_MAGIC, capacity, fingerprint)
         return cls(seg)

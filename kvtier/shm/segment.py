@@ -38,7 +38,7 @@ class ShmSegment:
 
     @classmethod
     def create(cls, name: str, size: int, *, mode: int = 0o600, gid: int | None = None,
-               reserve: bool = False) -> "ShmSegment":
+               reserve: bool = False) -> ShmSegment:
         """Create a new segment; fails if the name exists (never attaches a squatter's segment).
 
         `reserve`: allocate every page now (posix_fallocate, then a populated mapping). A
@@ -75,7 +75,7 @@ class ShmSegment:
         return cls(name, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, *, writable: bool = False, trusted_uid: int | None = None) -> "ShmSegment":
+    def attach(cls, name: str, *, writable: bool = False, trusted_uid: int | None = None) -> ShmSegment:
         """Map an existing segment. With `trusted_uid`, refuse one owned by anyone else or
         writable by others: such a segment may have been planted to feed us bytes."""
         path = _path(name)

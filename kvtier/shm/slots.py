@@ -19,15 +19,26 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvtier.errors import SegmentError
 from kvtier.shm.segment import ShmSegment
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    # Bytes to hash: any buffer, or a numpy array (numpy's stubs declare ndarray's __buffer__ only
+    # for Python >= 3.12, so for mypy an array is not a buffer on 3.11).
+    HashInput: TypeAlias = ReadableBuffer | npt.NDArray[Any]
+    # A block's bytes to write: a bytes-like object or an array (its nbytes count).
+    BlockData: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any]
 
 SEG_MAGIC = b"KVTIER01"
 SEG = struct.Struct("<8sIIQQQQ32sQQ")  # magic ver kind n block_bytes stride payload_off fp pid created
@@ -73,15 +84,15 @@ class SlotHeader(NamedTuple):
         return None if self.parent == EMPTY_KEY else self.parent
 
 
-def checksum(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def checksum(data: HashInput) -> int:
+    return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))
 
 
-def checksum_parts(parts) -> int:
+def checksum_parts(parts: Iterable[HashInput]) -> int:
     """checksum() of the parts' concatenation, without concatenating them."""
     h = xxhash.xxh3_64()
     for part in parts:
-        h.update(part)
+        h.update(cast("ReadableBuffer", part))
     return h.intdigest()
 
 
@@ -94,7 +105,7 @@ def segment_bytes(n: int, block_bytes: int, with_payload: bool = True) -> int:
     return payload_off + (_round_up(block_bytes, PAGE) * n if with_payload else 0)
 
 
-def parse_segment_header(head, size: int, name: str, kind: int, fingerprint: bytes | None,
+def parse_segment_header(head: bytes | memoryview, size: int, name: str, kind: int, fingerprint: bytes | None,
                          block_bytes: int | None) -> tuple[int, int, int, int, bytes]:
     """Check a segment header (untrusted bytes) against the segment's size and what we expect.
     Returns (slots, block_bytes, stride, payload_off, fingerprint)."""
@@ -126,12 +137,12 @@ class SlotTable:
     stride: int
     payload_off: int
     fingerprint: bytes
-    _payloads: np.ndarray | None = None
+    _payloads: npt.NDArray[np.uint8] | None = None
 
     # --- creation and validation ------------------------------------------------------------
 
     @classmethod
-    def format(cls, seg: ShmSegment, kind: int, n: int, block_bytes: int, fingerprint: bytes) -> "SlotTable":
+    def format(cls, seg: ShmSegment, kind: int, n: int, block_bytes: int, fingerprint: bytes) -> SlotTable:
         with_payload = kind != Kind.GPU_HEADERS
         if seg.size < segment_bytes(n, block_bytes, with_payload):
             raise SegmentError(f"segment {seg.name} too small for {n} slots")
@@ -146,7 +157,7 @@ class SlotTable:
 
     @classmethod
     def open(cls, seg: ShmSegment, kind: int, fingerprint: bytes | None = None,
-             block_bytes: int | None = None) -> "SlotTable":
+             block_bytes: int | None = None) -> SlotTable:
         """Validate an existing segment's header against its size and what we expect."""
         n, bb, stride, payload_off, fp = parse_segment_header(
             seg.buf[:HEADER_OFF] if seg.size >= HEADER_OFF else b"", seg.size, seg.name, kind, fingerprint,
@@ -155,7 +166,8 @@ class SlotTable:
 
     @property
     def owner_pid(self) -> int:
-        return SEG.unpack_from(self.seg.buf, 0)[8]
+        pid: int = SEG.unpack_from(self.seg.buf, 0)[8]
+        return pid
 
     def close(self) -> None:
         """Drop the payload view, then unmap the segment (the view must go first: a live numpy
@@ -165,7 +177,7 @@ class SlotTable:
 
     # --- payload views -------------------------------------------------------------------------
 
-    def payloads(self) -> np.ndarray:
+    def payloads(self) -> npt.NDArray[np.uint8]:
         """All payloads as a [n, stride] uint8 array over the shared mapping (no copy)."""
         if self.kind == Kind.GPU_HEADERS:
             raise SegmentError("payloads of this table live on a GPU")
@@ -174,7 +186,7 @@ class SlotTable:
             self._payloads = flat.reshape(self.n, self.stride)
         return self._payloads
 
-    def payload(self, slot: int) -> np.ndarray:
+    def payload(self, slot: int) -> npt.NDArray[np.uint8]:
         return self.payloads()[slot, : self.block_bytes]
 
     # --- headers -------------------------------------------------------------------------------
@@ -188,10 +200,12 @@ class SlotTable:
         return SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
 
     def gen(self, slot: int) -> int:
-        return _GEN.unpack_from(self.seg.buf, self._off(slot) + 8)[0]
+        g: int = _GEN.unpack_from(self.seg.buf, self._off(slot) + 8)[0]
+        return g
 
     def flags(self, slot: int) -> int:
-        return _FLAGS.unpack_from(self.seg.buf, self._off(slot) + 4)[0]
+        f: int = _FLAGS.unpack_from(self.seg.buf, self._off(slot) + 4)[0]
+        return f
 
     def set_flags(self, slot: int, flags: int) -> None:
         _FLAGS.pack_into(self.seg.buf, self._off(slot) + 4, flags)
@@ -199,7 +213,7 @@ class SlotTable:
     def begin_write(self, slot: int) -> int:
         """Mark the slot as being written (odd gen); readers now fail. Returns the odd gen."""
         off = self._off(slot)
-        g = _GEN.unpack_from(self.seg.buf, off + 8)[0]
+        g: int = _GEN.unpack_from(self.seg.buf, off + 8)[0]
         g = g + 1 if g % 2 == 0 else g + 2  # recover from a writer that died mid-write
         _GEN.pack_into(self.seg.buf, off + 8, g)
         return g
@@ -216,25 +230,26 @@ class SlotTable:
         g = self.begin_write(slot)
         self.end_write(slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
 
-    def write(self, slot: int, key: bytes, data, flags: int = Flags.VALID, csum: int | None = None,
+    def write(self, slot: int, key: bytes, data: BlockData, flags: int = Flags.VALID, csum: int | None = None,
               parent: bytes | None = None) -> int:
         """Seqlock-write a payload that lives in this segment. Returns the new even gen."""
         self._length(data)  # before the slot is touched
         return self.write_reserved(slot, self.begin_write(slot), key, data, flags, csum, parent)
 
-    def _length(self, data) -> int:
+    def _length(self, data: BlockData) -> int:
         length = len(data) if not isinstance(data, np.ndarray) else data.nbytes
         if length > self.block_bytes:
             raise ValueError(f"payload of {length} bytes exceeds the block size {self.block_bytes}")
         return length
 
-    def write_reserved(self, slot: int, g: int, key: bytes, data, flags: int = Flags.VALID,
+    def write_reserved(self, slot: int, g: int, key: bytes, data: BlockData, flags: int = Flags.VALID,
                        csum: int | None = None, parent: bytes | None = None) -> int:
         """The rest of `write`, for a slot already marked by `begin_write` (odd gen `g`): taken
         on the event loop, filled in a thread. Raises (slot left odd) if data is too big."""
         length = self._length(data)
         dst = self.payloads()[slot, :length]
-        np.copyto(dst, np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8))
+        np.copyto(dst, np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
+                  else data.reshape(-1).view(np.uint8))
         if csum is None:
             csum = checksum(dst)
         return self.end_write(slot, g, key, length, csum, flags, parent)
@@ -253,11 +268,12 @@ class SlotTable:
         h = SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
         return h.gen == gen and h.key == key
 
-    def read_into(self, slot: int, key: bytes, dst: np.ndarray, flags: int = Flags.VALID) -> int | None:
+    def read_into(self, slot: int, key: bytes, dst: npt.NDArray[np.uint8], flags: int = Flags.VALID) -> int | None:
         """Copy the block into `dst` (uint8, block_bytes) and verify it. Returns its checksum or None."""
         return self.read_with(slot, key, lambda src: np.copyto(dst, src), lambda: checksum(dst), flags)
 
-    def read_with(self, slot: int, key: bytes, copy_out, digest, flags: int = Flags.VALID) -> int | None:
+    def read_with(self, slot: int, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
+                  digest: Callable[[], int], flags: int = Flags.VALID) -> int | None:
         """The seqlock read: `copy_out(src)` copies the payload out (one array, or vLLM's per-layer
         pages), then `digest()` hashes what landed, in payload order. Returns the checksum, or
         None for a torn, replaced or corrupt block, whose copied bytes the caller must not use."""

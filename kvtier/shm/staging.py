@@ -15,16 +15,34 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
-from kvtier.errors import SegmentError
-from kvtier.processes import pid_alive
 from kvtier.core.events import StagedBlock
+from kvtier.errors import SegmentError
+from kvtier.keys import BlockKey
+from kvtier.processes import pid_alive
 from kvtier.shm.segment import SHM_DIR, ShmSegment
-from kvtier.shm.slots import (EMPTY_KEY, HEADER_OFF, SLOT_HDR, SLOT_HEADER, SLOT_MAGIC, Flags, Kind, SlotHeader,
-                              SlotTable, checksum, parse_segment_header, segment_bytes)
+from kvtier.shm.slots import (
+    EMPTY_KEY,
+    HEADER_OFF,
+    SLOT_HDR,
+    SLOT_HEADER,
+    SLOT_MAGIC,
+    Flags,
+    Kind,
+    SlotHeader,
+    SlotTable,
+    checksum,
+    parse_segment_header,
+    segment_bytes,
+)
+
+if TYPE_CHECKING:
+    from kvtier.logs import Log
 
 _FLAGS_OFF = 4
 # A staged block the daemon has not taken within this long is given up (see StagingWriter._free_slot).
@@ -46,7 +64,7 @@ class StagingWriter:
 
     @classmethod
     def create(cls, node: str, blocks: int, block_bytes: int, fingerprint: bytes, *, daemon_uid: int,
-               shm_gid: int | None) -> "StagingWriter":
+               shm_gid: int | None) -> StagingWriter:
         same_user = os.geteuid() == daemon_uid
         seg = ShmSegment.create(
             f"{staging_prefix(node)}{os.getpid()}.{secrets.token_hex(8)}", segment_bytes(blocks, block_bytes),
@@ -60,10 +78,10 @@ class StagingWriter:
     def seg(self) -> ShmSegment:
         return self.table.seg
 
-    def take_slots(self, keys: list[bytes], parent: bytes | None) -> list[StagedBlock]:
+    def take_slots(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[StagedBlock]:
         """Take free slots for the leading keys (stops at the first with none) and mark each as
         being written (odd gen), so no other put takes it. `gen` is that odd gen until
-        `fill_slot` has written the block."""
+        `fill_slot` (or `fill_slot_with`) has written the block."""
         taken: list[StagedBlock] = []
         for key in keys:
             slot = self._free_slot()
@@ -73,22 +91,24 @@ class StagingWriter:
             parent = key
         return taken
 
-    def fill_slot(self, b: StagedBlock, row: np.ndarray) -> StagedBlock:
+    def fill_slot(self, b: StagedBlock, row: npt.NDArray[Any]) -> StagedBlock:
         """Write a taken slot's block from `row` (uint8) and publish it READY, with its even gen.
         Touches only that slot, so the blocks of one put may be filled in threads side by side."""
         return StagedBlock(b.key, b.parent, b.slot,
                            self.table.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
 
-    def fill_slot_with(self, b: StagedBlock, write: Callable[[np.ndarray], object]) -> StagedBlock:
+    def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
         in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once."""
         table = self.table
         dst = table.payloads()[b.slot, : table.block_bytes]
         write(dst)
-        return StagedBlock(b.key, b.parent, b.slot,
-                           table.end_write(b.slot, b.gen, b.key, table.block_bytes, checksum(dst), Flags.READY, b.parent))
+        gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, checksum(dst), Flags.READY, b.parent)
+        return StagedBlock(b.key, b.parent, b.slot, gen)
 
     def staged(self, blocks: list[StagedBlock]) -> None:
+        """Note when these filled (READY) blocks were staged: a slot the daemon has not released
+        STAGING_RECLAIM_S later may be taken back (see _free_slot)."""
         now = time.monotonic()
         for b in blocks:
             self._staged_at[b.slot] = now
@@ -129,7 +149,8 @@ class StagingWriter:
 
 
 class StagingFile:
-    """One client's staging segment, opened read-write as a plain file."""
+    """The daemon's handle on one client's staging segment, opened read-write as a plain file
+    (never mapped): it reads staged blocks and releases their slots."""
 
     def __init__(self, name: str, fd: int, n: int, block_bytes: int, stride: int, payload_off: int) -> None:
         self.name = name
@@ -140,7 +161,7 @@ class StagingFile:
         self._payload_off = payload_off
 
     @classmethod
-    def open(cls, name: str) -> "StagingFile":
+    def open(cls, name: str) -> StagingFile:
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
@@ -162,13 +183,13 @@ class StagingFile:
         raw = os.pread(self.fd, SLOT_HDR, HEADER_OFF + SLOT_HDR * slot)
         return SlotHeader(*SLOT_HEADER.unpack_from(raw, 0)) if len(raw) == SLOT_HDR else None
 
-    def read_into(self, slot: int, key: bytes, gen: int, dst: np.ndarray) -> int | None:
+    def read_into(self, slot: int, key: bytes, gen: int, dst: npt.NDArray[np.uint8]) -> int | None:
         """Copy the block the client staged as (key, gen) into dst and verify it; checksum or None."""
         h = self.header(slot)
         if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
                 or h.key != key or h.length != self.block_bytes or dst.nbytes != self.block_bytes):
             return None
-        got = os.preadv(self.fd, [memoryview(dst)], self._payload_off + self._stride * slot)
+        got = os.preadv(self.fd, [dst.data], self._payload_off + self._stride * slot)
         again = self.header(slot)
         if got != self.block_bytes or again is None or again.gen != gen or again.key != key:
             return None
@@ -187,7 +208,10 @@ class StagingFile:
 
 
 class StagingSegments:
-    def __init__(self, node: str, log) -> None:
+    """The daemon's staging segments of this node by name: opened and validated on first use,
+    slots released, and the segments of dead clients reaped."""
+
+    def __init__(self, node: str, log: Log) -> None:
         self._prefix = staging_prefix(node)
         self._name_re = re.compile(re.escape(self._prefix) + r"[0-9]+\.[0-9a-f]{8,32}")
         self._open: dict[str, StagingFile] = {}

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from kvtier.errors import CorruptBlock
 from kvtier.offload import map_shares
 from kvtier.shm.slots import checksum
+
+if TYPE_CHECKING:
+    from kvtier.logs import Log
 
 BLK_MAGIC = b"KVTBLK01"
 BLK_VERSION = 1
@@ -27,24 +33,27 @@ BLK_HDR = struct.Struct("<8sHH32s32sQQ")
 VERIFY_OFF_LOOP_BYTES = 256 << 10
 VERIFY_THREADS = 2
 
+_Out = TypeVar("_Out", bytearray, memoryview)
+Verified: TypeAlias = tuple[npt.NDArray[np.uint8], int]  # a value's payload (a view of it) and checksum
+
 
 def redis_block_key(pool: str, key: bytes) -> str:
     # No hash tag: blocks spread across Redis Cluster slots.
     return f"kvtier:blk:{pool}:{key.hex()}"
 
 
-def pack_header(out, fingerprint: bytes, key: bytes, length: int, csum: int):
+def pack_header(out: _Out, fingerprint: bytes, key: bytes, length: int, csum: int) -> _Out:
     BLK_HDR.pack_into(out, 0, BLK_MAGIC, BLK_VERSION, 0, fingerprint, key, length, csum)
     return out
 
 
-def pack_block(fingerprint: bytes, key: bytes, payload: np.ndarray, csum: int) -> bytearray:
+def pack_block(fingerprint: bytes, key: bytes, payload: npt.NDArray[Any], csum: int) -> bytearray:
     out = bytearray(BLK_HDR.size + payload.nbytes)
     out[BLK_HDR.size:] = payload.reshape(-1).view(np.uint8).data
     return pack_header(out, fingerprint, key, payload.nbytes, csum)
 
 
-def unpack_block(raw: bytes, fingerprint: bytes, key: bytes, block_bytes: int) -> tuple[np.ndarray, int]:
+def unpack_block(raw: bytes, fingerprint: bytes, key: bytes, block_bytes: int) -> Verified:
     """Verify a value read from Redis. Returns (payload view, checksum) or raises CorruptBlock."""
     if len(raw) != BLK_HDR.size + block_bytes:
         raise CorruptBlock(f"value is {len(raw)} bytes, expected {BLK_HDR.size + block_bytes}")
@@ -81,7 +90,7 @@ class RedisBlocks:
     """One pool's blocks in Redis. Errors from Redis propagate; the worker turns them into misses."""
 
     def __init__(self, client: aioredis.Redis, pool: str, fingerprint: bytes, block_bytes: int,
-                 ttl_s: int, log) -> None:
+                 ttl_s: int, log: Log) -> None:
         self.client = client
         self.pool = pool
         self.fingerprint = fingerprint
@@ -94,7 +103,7 @@ class RedisBlocks:
     def name(self, key: bytes) -> str:
         return redis_block_key(self.pool, key)
 
-    async def put(self, key: bytes, payload: np.ndarray, csum: int) -> None:
+    async def put(self, key: bytes, payload: npt.NDArray[Any], csum: int) -> None:
         value = pack_block(self.fingerprint, key, payload, csum)
         await self.client.set(self.name(key), value, ex=self.ttl_s or None)
 
@@ -110,17 +119,17 @@ class RedisBlocks:
             return [e] * len(items)
         return [r if isinstance(r, Exception) else None for r in replies]
 
-    def new_value(self) -> tuple[memoryview, np.ndarray]:
+    def new_value(self) -> tuple[memoryview, npt.NDArray[np.uint8]]:
         """A value to fill in place, and a uint8 view of its payload part. Not zeroed (a
         bytearray would be: a wasted pass over 2 MiB); the caller fills all of it."""
         raw = np.empty(BLK_HDR.size + self.block_bytes, dtype=np.uint8)
-        return memoryview(raw), raw[BLK_HDR.size:]
+        return raw.data, raw[BLK_HDR.size:]
 
     def seal(self, value: memoryview, key: bytes, csum: int) -> memoryview:
         """Write the header of a value filled through `new_value`."""
         return pack_header(value, self.fingerprint, key, self.block_bytes, csum)
 
-    async def get_many(self, keys: list[bytes]) -> list[tuple[np.ndarray, int] | None | Exception]:
+    async def get_many(self, keys: list[bytes]) -> list[Verified | None | Exception]:
         """GET in one pipeline; per key the verified (payload, checksum), None when absent or
         corrupt (then deleted), or the error Redis gave. A connection-level failure raises."""
         pipe = self.client.pipeline(transaction=False)
@@ -129,8 +138,9 @@ class RedisBlocks:
         replies = await pipe.execute(raise_on_error=False)
         values = [(k, raw) for k, raw in zip(keys, replies) if isinstance(raw, bytes)]
 
-        def check(share) -> list:  # pure (header parse, xxh3), so it may run in threads
-            out = []
+        def check(share: Sequence[tuple[bytes, bytes]]) -> list[Verified | CorruptBlock]:
+            # pure (header parse, xxh3), so it may run in threads
+            out: list[Verified | CorruptBlock] = []
             for k, raw in share:
                 try:
                     out.append(unpack_block(raw, self.fingerprint, k, self.block_bytes))
@@ -143,38 +153,40 @@ class RedisBlocks:
         else:
             checked = check(values)
         verdicts = iter(checked)
-        out: list[tuple[np.ndarray, int] | None | Exception] = []
+        out: list[Verified | None | Exception] = []
         for k, raw in zip(keys, replies):
             if not isinstance(raw, bytes):
                 out.append(raw)  # absent (None) or the error Redis gave
             elif isinstance(c := next(verdicts), CorruptBlock):
-                out.append(await self._drop_corrupt(k, raw, c))
+                await self._drop_corrupt(k, raw, c)
+                out.append(None)
             else:
                 out.append(c)
         return out
 
-    async def get(self, key: bytes) -> tuple[np.ndarray, int] | None:
+    async def get(self, key: bytes) -> Verified | None:
         """The verified payload and checksum, or None when absent or corrupt (then deleted)."""
         raw = await self.client.get(self.name(key))
         if raw is None:
             return None
-        return await self._verified(key, raw)
+        return await self._verified(key, cast(bytes, raw))  # decode_responses=False: never str
 
-    async def _verified(self, key: bytes, raw: bytes) -> tuple[np.ndarray, int] | None:
+    async def _verified(self, key: bytes, raw: bytes) -> Verified | None:
         try:
             return unpack_block(raw, self.fingerprint, key, self.block_bytes)
         except CorruptBlock as e:
-            return await self._drop_corrupt(key, raw, e)
+            await self._drop_corrupt(key, raw, e)
+            return None
 
     async def _drop_corrupt(self, key: bytes, raw: bytes, e: CorruptBlock) -> None:
         """Count and log a corrupt value, and delete it unless it has been rewritten since."""
         self.stats.corrupt += 1
         self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
         try:
-            await self._delete_if_same(keys=[self.name(key)], args=[hashlib.sha1(raw, usedforsecurity=False).hexdigest()])
+            digest = hashlib.sha1(raw, usedforsecurity=False).hexdigest()
+            await self._delete_if_same(keys=[self.name(key)], args=[digest])
         except redis.exceptions.RedisError as de:
             self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
-        return None
 
     async def delete(self, key: bytes) -> bool:
         return bool(await self.client.delete(self.name(key)))

@@ -1,1 +1,1 @@
-"""Tiers: the gpu pool, the cpu shared-memory arena and Redis; the pure index and placement policy."""
+"""The tier workers: they move blocks between the gpu pool, the cpu shared-memory arena and Redis."""

@@ -7,17 +7,25 @@ the client directory. Every write is seqlocked; every read is verified.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from kvtier.core.events import Tier
-from kvtier.shm.directory import NO_SLOT, DirectoryWriter
 from kvtier.core.index import Entry, State, TierIndex
+from kvtier.keys import BlockKey
+from kvtier.shm.directory import NO_SLOT, DirectoryWriter
 from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
 
 
 class LocalTier:
+    """The slots and payload of one local tier. The index is the pool's Placement's: read here,
+    changed only through the Placement (the tier worker reserves, commits and drops there, and
+    does the slot I/O here), except by `rebuild`, which fills it before that Placement exists."""
+
     def __init__(self, tier: Tier, table: SlotTable, index: TierIndex, directory: DirectoryWriter,
-                 device_payload=None) -> None:
+                 device_payload: Any = None) -> None:
         self.tier = tier
         self.table = table
         self.index = index
@@ -34,16 +42,16 @@ class LocalTier:
     def block_bytes(self) -> int:
         return self.table.block_bytes
 
-    def read(self, key: bytes, out: np.ndarray) -> int | None:
+    def read(self, key: BlockKey, out: np.ndarray) -> int | None:
         """Copy `key`'s block into `out` (uint8, block_bytes); returns its checksum, or None on a miss."""
         slot = self.slot_of(key)
         return None if slot is None else self.read_slot(slot, key, out)
 
-    def slot_of(self, key: bytes) -> int | None:
+    def slot_of(self, key: BlockKey) -> int | None:
         e = self.index.get(key)
         return e.slot if e is not None and e.state is State.READY else None
 
-    def read_slot(self, slot: int, key: bytes, out: np.ndarray) -> int | None:
+    def read_slot(self, slot: int, key: BlockKey, out: np.ndarray) -> int | None:
         """The copy and its verification. Touches only the slot (seqlocked: a slot rewritten
         meanwhile is a miss), never the index, so it may run off the event loop."""
         if self.device_payload is None:
@@ -59,28 +67,9 @@ class LocalTier:
             return None
         return snap[1]
 
-    def write(self, key: bytes, parent: bytes | None, data: np.ndarray, csum: int) -> Entry | None:
-        """Store a verified block and make it visible. None when the tier has no free slot.
-        Writing a key that is already here is a no-op that returns the existing entry."""
-        existing = self.index.get(key)
-        if existing is not None:
-            return existing
-        e = self.begin(key, parent)
-        if e is None:
-            return None
-        try:
-            self.fill(e, data, csum)
-        except BaseException:
-            self.abort(e)
-            raise
-        return self.finish(e)
-
-    # The three steps of a write, for callers that run the copy off the event loop: `begin` and
-    # `finish` touch the index and directory (event loop only); `fill` only the reserved slot.
-
-    def begin(self, key: bytes, parent: bytes | None) -> Entry | None:
-        """Reserve a slot (PENDING: counted as used, invisible). None when full or present."""
-        return self.index.reserve(key, parent)
+    # The slot side of a write, around the Placement's reserve and commit: `fill` (or `fill_from`)
+    # touches only the reserved slot, so it may run off the event loop; `publish` lists the
+    # committed block in the client directory, `discard` empties the slot of a failed write.
 
     def fill(self, e: Entry, data: np.ndarray, csum: int) -> None:
         if self.device_payload is None:
@@ -92,7 +81,7 @@ class LocalTier:
             self.device_payload[e.slot].copy_(torch.from_numpy(data))
             self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
 
-    def fill_from(self, e: Entry, read) -> int | None:
+    def fill_from(self, e: Entry, read: Callable[[np.ndarray], int | None]) -> int | None:
         """Fill the reserved slot with what `read(payload)` copies straight into it (a staging
         pread into the arena: one copy fewer than going through a buffer). `read` returns the
         checksum it verified on those bytes, or None; then the slot is left empty."""
@@ -108,28 +97,21 @@ class LocalTier:
         self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
         return csum
 
-    def finish(self, e: Entry) -> Entry:
-        self.index.commit(e.key)
+    def publish(self, e: Entry) -> None:
         self.directory.set_slot(e.key, int(self.tier), e.slot)
-        return e
 
-    def abort(self, e: Entry) -> None:
+    def discard(self, e: Entry) -> None:
         self.table.invalidate(e.slot)
-        self.index.remove(e.key)
 
-    def drop(self, key: bytes) -> bool:
-        """Invalidate first (readers now miss), then unlist, then free the slot."""
-        e = self.index.get(key)
-        if e is None:
-            return False
+    def unlist(self, e: Entry) -> None:
+        """The slot side of a drop, before the Placement frees the slot: invalidate first (readers
+        now miss), then unlist."""
         self.table.invalidate(e.slot)
-        self.directory.set_slot(key, int(self.tier), NO_SLOT)
-        self.index.remove(key)
-        return True
+        self.directory.set_slot(e.key, int(self.tier), NO_SLOT)
 
     def rebuild(self) -> tuple[int, int]:
-        """Warm restart: re-index every slot whose header and checksum verify; wipe the rest.
-        Returns (kept, discarded)."""
+        """Warm restart, before the pool's Placement is built: re-index every slot whose header
+        and checksum verify; wipe the rest. Returns (kept, discarded)."""
         kept = discarded = 0
         for slot in range(self.table.n):
             h = self.table.header(slot)
@@ -138,8 +120,9 @@ class LocalTier:
             ok = (h.magic == SLOT_MAGIC and h.gen % 2 == 0 and h.flags == Flags.VALID
                   and h.length == self.block_bytes and self.device_payload is None
                   and checksum(self.table.payload(slot)) == h.checksum
-                  and self.index.get(h.key) is None)
-            if ok and self.index.add(h.key, h.parent_key, slot) is not None:
+                  and self.index.get(BlockKey(h.key)) is None)
+            parent = None if h.parent_key is None else BlockKey(h.parent_key)
+            if ok and self.index.add(BlockKey(h.key), parent, slot) is not None:
                 self.directory.set_slot(h.key, int(self.tier), slot)
                 kept += 1
             else:

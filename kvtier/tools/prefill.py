@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.layout import BlockLayout
+from kvtier.processes import die_with_parent, stop_processes
 from kvtier.tools.bench import LLAMA
 from kvtier.tools.bench_env import Env
 from kvtier.tools.demo import make_trace, progress_line, shared_prompts, sum_reports
-from kvtier.layout import BlockLayout
-from kvtier.processes import die_with_parent, stop_processes
 
 # The cost model's default: Llama-3-8B prefill costs about 2 x 8e9 FLOP per token; a GPU that
 # sustains 400 TFLOP/s of bf16 in prefill then does about 25,000 tokens/s.
@@ -101,7 +101,8 @@ def summarize(tot: dict, tokens_per_s: float) -> dict:
         "hit_rate": {"gpu": tot["gpu_at_lookup"] / blocks, "cpu": tot["cpu_at_lookup"] / blocks,
                      "redis": tot["via_redis"] / blocks, "miss": (tot["blocks"] - tot["local_hits"]) / blocks},
         "prefix_ms": {"p50": 1000 * float(np.percentile(times, 50)), "p90": 1000 * float(np.percentile(times, 90)),
-                      "p99": 1000 * float(np.percentile(times, 99)), "mean_per_block": 1000 * fetch_s / max(1, tot["local_hits"])},
+                      "p99": 1000 * float(np.percentile(times, 99)),
+                      "mean_per_block": 1000 * fetch_s / max(1, tot["local_hits"])},
         "redis_pulls": {"requests": tot["pulls"], "timed_out": tot["pull_timeouts"], "wait_s": tot["pull_s"]},
         # A cached block saves time only if it arrives faster than its tokens are recomputed.
         "break_even_gbps": block_bytes * tokens_per_s / BLOCK_TOKENS / 1e9,
@@ -129,7 +130,8 @@ def render(o: dict) -> str:
         f"missed (recomputed) {h['miss']:.1%}",
         f"time to get the cached prefix, per request that had one: p50 {p['p50']:.1f} ms  p90 {p['p90']:.1f} ms  "
         f"p99 {p['p99']:.1f} ms  ({p['mean_per_block']:.2f} ms per block read)",
-        f"of which pulling from Redis: {o['redis_pulls']['requests']} requests waited {o['redis_pulls']['wait_s']:.2f} s "
+        f"of which pulling from Redis: {o['redis_pulls']['requests']} requests "
+        f"waited {o['redis_pulls']['wait_s']:.2f} s "
         f"in all ({o['redis_pulls']['timed_out']} gave up after 1 s and recomputed the rest),",
         f"and the rest ({o['local']['spent_s']:.2f} s) reading local tiers",
         f"cost model: prefill at {o['cost_model']['prefill_tokens_per_s']:,.0f} tokens/s "

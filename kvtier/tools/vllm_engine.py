@@ -162,7 +162,7 @@ class EngineProcess:
         if not self._log.closed:
             self._log.close()
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from kvtier.core.events import Put, StagedBlock
-from kvtier.bus.transport import Publisher
+from kvtier.bus.publisher import Publisher
 from kvtier.client import Client
+from kvtier.core.events import Put, StagedBlock
 from kvtier.errors import BadRequest, UnknownPool
-from kvtier.store.redis_blocks import pack_block, redis_block_key
 from kvtier.shm.slots import checksum
+from kvtier.store.redis_blocks import pack_block, redis_block_key
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until, wait_until
 
@@ -66,7 +66,8 @@ async def test_malformed_stream_entries_are_dead_lettered(daemon_factory, redis_
         await client.put("t", more, make_kv(2, seed=3))
         assert await client.wait_resident("t", more, timeout=10)
     for stream in (client_stream, cpu_stream):  # everything, junk included, ends up acked
-        wait_until(lambda: r.xpending(stream, "kvtier")["pending"] == 0, timeout=10, message=f"{stream} drained")
+        wait_until(lambda stream=stream: r.xpending(stream, "kvtier")["pending"] == 0, timeout=10,
+                   message=f"{stream} drained")
     r.close()
 
 
@@ -128,8 +129,8 @@ async def test_put_naming_a_bogus_staging_segment_is_a_counted_drop(daemon_facto
         keys, kv = await _stored_baseline(client)
         pub = Publisher(client._redis, "forger", 1, 10_000)
         bogus = client.block_keys("t", list(range(16 * 4)), salt=b"forged")
-        for i, seg in enumerate((f"kvtier.{d.node}.stage.1.00000000deadbeef", "kvtier.other-node.stage.1.0123456789abcdef",
-                    "../../etc/passwd")):
+        for i, seg in enumerate((f"kvtier.{d.node}.stage.1.00000000deadbeef",
+                                 "kvtier.other-node.stage.1.0123456789abcdef", "../../etc/passwd")):
             try:
                 await pub.publish(f"kvtier:{{{d.node}}}:client", Put("t", seg, (StagedBlock(bogus[i], None, 0, 2),)))
             except Exception:

@@ -14,9 +14,10 @@ from structlog.testing import capture_logs
 
 from kvtier.bus.codec import decode, encode
 from kvtier.bus.connect import make_redis, make_sync_redis
-from kvtier.core.events import Access, Envelope, Tier
+from kvtier.bus.consumer import Consumer, Delivery
+from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.bus.streams import StreamNames
-from kvtier.bus.transport import BusStats, Consumer, Delivery, Publisher
+from kvtier.core.events import SCHEMA_VERSION, Access, Envelope, Tier
 from kvtier.keys import BlockKey
 from tests.support.redis_proc import RedisProcess
 from tests.support.waiting import async_wait_until
@@ -142,7 +143,7 @@ async def test_malformed_entries_are_dead_lettered_without_blocking_good_ones(ar
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     short = Access(pool="p", keys=(b"x" * 31,), missed=0)  # type: ignore[arg-type]
     short_key = encode(Envelope(short, "client-1", 1, 99))  # encode trusts its input; decode does not
-    unknown = msgpack.packb({"v": 1, "t": "bogus", "p": "x", "e": 1, "s": 1, "b": {}}, use_bin_type=True)
+    unknown = msgpack.packb({"v": SCHEMA_VERSION, "t": "bogus", "p": "x", "e": 1, "s": 1, "b": {}}, use_bin_type=True)
     bad = [
         ({b"e": b"\xc1\xff garbage"}, "not valid msgpack"),
         ({b"other": b"1"}, "missing field"),

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvtier.client import Client, SyncClient
-from kvtier.store.redis_blocks import pack_block, redis_block_key
 from kvtier.shm.slots import Flags, checksum
+from kvtier.store.redis_blocks import pack_block, redis_block_key
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import async_wait_until
 

@@ -30,10 +30,10 @@ import time
 import pytest
 
 from kvtier.runtime import DESCRIPTOR, read_json
-from kvtier.tools.demo import expected_block
 from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import Flags, Kind, SlotTable
 from kvtier.tools.daemon_process import READY_TIMEOUT_S
+from kvtier.tools.demo import expected_block
 from tests.support.waiting import wait_until
 from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 
@@ -75,7 +75,8 @@ def _check_arenas(node: str, runtime_dir) -> dict:
 
 
 def _log_count(d, event: str) -> int:
-    return sum(1 for x in d.log_path.read_text().splitlines() if x.startswith("{") and json.loads(x).get("event") == event)
+    return sum(1 for x in d.log_path.read_text().splitlines()
+               if x.startswith("{") and json.loads(x).get("event") == event)
 
 
 def _last(d, event: str) -> dict:
@@ -125,7 +126,7 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
                 # The kill lands wherever the workload happens to be, a few client events from now
                 # (the stream's length, unlike the daemon's counters, runs on across restarts).
                 target = bus.xlen(client_stream) + rng.randint(1, 12)
-                wait_until(lambda: bus.xlen(client_stream) >= target, timeout=30, interval=0.01,
+                wait_until(lambda target=target: bus.xlen(client_stream) >= target, timeout=30, interval=0.01,
                            message="the workload moved on")
                 d.kill()
             assert all(w.poll() is None for w in workers), "a client died with the daemon"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.core.events import Tier
 from kvtier.client import Client
+from kvtier.core.events import Tier
 from kvtier.store.redis_blocks import redis_block_key, unpack_block
 from tests.support.blocks import SHAPE, make_kv, put_chain, same_bytes, stored_somewhere
 from tests.support.waiting import async_wait_until

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import uuid
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest

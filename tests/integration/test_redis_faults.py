@@ -21,8 +21,8 @@ import time
 import pytest
 
 from kvtier.client import Client
-from tests.support.blocks import make_kv, same_bytes
 from kvtier.tools.daemon_process import DaemonProcess
+from tests.support.blocks import make_kv, same_bytes
 from tests.support.daemon_proc import write_config
 from tests.support.fault_proxy import FaultProxy
 from tests.support.waiting import async_wait_until, wait_until

@@ -34,17 +34,17 @@ import structlog
 import torch
 
 from kvtier.bus.connect import make_redis
+from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.core.events import Access, Envelope, Evict, Prefetch, Promote, Put, StagedBlock, Tier
 from kvtier.bus.streams import StreamNames
-from kvtier.bus.transport import Delivery
 from kvtier.client.pools import ClientPool
 from kvtier.config import PolicyConfig, PoolConfig
+from kvtier.core.events import Access, Envelope, Evict, Prefetch, Promote, Put, StagedBlock, Tier
+from kvtier.core.fence import CommandFence
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.pools import close_pool, open_pool
-from kvtier.shm.staging import StagingSegments
-from kvtier.core.fence import CommandFence
 from kvtier.shm.slots import checksum
+from kvtier.shm.staging import StagingSegments
 from kvtier.tiers.worker import TierWorker
 
 POOL = PoolConfig(name="r", model="replay", layers=1, kv_heads=1, head_dim=8, block_tokens=4,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.core.events import Tier
 from kvtier.client import Client
+from kvtier.core.events import Tier
 from kvtier.store.redis_blocks import redis_block_key
 from tests.support.blocks import SHAPE, make_kv, put_chain, same_bytes
 from tests.support.waiting import async_wait_until

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from kvtier.bus.codec import decode
-from kvtier.core.events import Removed, Tier
 from kvtier.client import Client
-from kvtier.tools.demo import shared_prompts
+from kvtier.core.events import Cause, Removed, Tier
 from kvtier.store.redis_blocks import redis_block_key
+from kvtier.tools.demo import shared_prompts
 from tests.support.waiting import wait_until
 from tests.support.workload import demo_totals, start_demo_workers, stop_demo_workers
 
@@ -66,7 +66,7 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
         left = set()
         for _id, fields in r.xrange(facts_stream):
             ev = decode(fields[b"e"]).event
-            if isinstance(ev, Removed) and ev.tier in (Tier.GPU, Tier.CPU) and ev.cause.startswith("evict:"):
+            if isinstance(ev, Removed) and ev.tier in (Tier.GPU, Tier.CPU) and ev.cause == Cause.EVICT:
                 left.add(ev.key)
         assert left, "the soak must have pushed blocks out of the local tiers"
         lost = [k for k in left if client.lookup("t", [k]).length == 0 and not r.exists(redis_block_key("t", k))]

@@ -53,7 +53,7 @@ def test_no_false_success_under_a_rewriting_writer_process() -> None:
         writer = _spawn("writer", arena.name, ctrl.name, BLOCK_BYTES, 7)
         procs.append(writer)
         # Readers start once every slot has been written a few times, so none reads an empty arena.
-        wait_until(lambda: min(table.gen(s) for s in range(SLOTS)) >= 6 or writer.poll() is not None,
+        wait_until(lambda table=table: min(table.gen(s) for s in range(SLOTS)) >= 6 or writer.poll() is not None,
                    timeout=30, message="the writer has filled every slot")
         assert writer.poll() is None, writer.stderr.read()
         per_reader = -(-READS // READERS)

@@ -43,7 +43,7 @@ class FaultProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("fault proxy did not start")

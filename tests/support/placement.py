@@ -5,14 +5,15 @@ from __future__ import annotations
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.policy import Placement, PolicyKnobs
+from kvtier.keys import BlockKey
 
 POOL = "llama-8b"
 NOW = 1000.0  # the policy never reads the clock; tests pass time in
 TIMEOUT = 30.0  # PolicyKnobs.transfer_timeout_s default
 
 
-def k(i: int) -> bytes:
-    return i.to_bytes(32, "big")
+def k(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(32, "big"))
 
 
 def placement(gpu: int = 10, cpu: int = 10, **knobs) -> Placement:

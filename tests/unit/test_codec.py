@@ -13,7 +13,22 @@ from hypothesis import strategies as st
 
 from kvtier.bus.codec import MAX_ENTRY_BYTES, MAX_ITEMS, decode, encode
 from kvtier.core.events import (
-    SCHEMA_VERSION, Access, Demote, Envelope, Evict, Prefetch, Promote, Put, Removed, StagedBlock, Store, Stored, Tier,
+    SCHEMA_VERSION,
+    Access,
+    Cause,
+    Demote,
+    Envelope,
+    Evict,
+    Failure,
+    Prefetch,
+    Promote,
+    Put,
+    Reason,
+    Removed,
+    StagedBlock,
+    Store,
+    Stored,
+    Tier,
 )
 from kvtier.errors import MalformedEvent
 
@@ -28,9 +43,10 @@ EVENTS = [
     Store("llama-8b", Tier.CPU, K2, K1, "kvtier.node-a.stage.1", 3, 8),
     Promote("llama-8b", K1, None, Tier.REDIS, Tier.CPU, -1, 0),
     Demote("llama-8b", K2, K1, Tier.GPU, Tier.CPU, 17, 42),
-    Evict("llama-8b", K3, Tier.GPU, "clean"),
-    Stored("llama-8b", K2, K1, Tier.REDIS, -1, "demote"),
-    Removed("llama-8b", K2, Tier.CPU, "demote_failed:no_room"),
+    Evict("llama-8b", K3, Tier.GPU, Reason.CLEAN),
+    Stored("llama-8b", K2, K1, Tier.REDIS, -1, Cause.DEMOTE),
+    Removed("llama-8b", K2, Tier.CPU, Cause.DEMOTE, Failure.NO_ROOM),
+    Removed("llama-8b", K3, Tier.GPU, Cause.EVICT, Reason.MAKE_ROOM),
 ]
 
 
@@ -62,6 +78,9 @@ def test_every_event_type_roundtrips(event) -> None:
     for name in ("tier", "src", "dst"):
         if hasattr(event, name):
             assert type(getattr(out.event, name)) is Tier
+    for name in ("reason", "cause", "why"):  # decoded as their enums, not bare strings
+        if hasattr(event, name):
+            assert type(getattr(out.event, name)) is type(getattr(event, name))
     if isinstance(event, Put):
         assert all(type(b) is StagedBlock for b in out.event.blocks)
         assert out.event.blocks[1].parent == K1 and out.event.blocks[0].parent is None
@@ -99,14 +118,14 @@ def test_missing_or_extra_envelope_field(mutate: str) -> None:
     assert "envelope fields must be v,t,p,e,s,b" in reason_of(pack(obj))
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, str(SCHEMA_VERSION), None])
 def test_wrong_schema_version(version) -> None:
     obj = wire()
     obj["v"] = version
     assert "unsupported schema version" in reason_of(pack(obj))
 
 
-@pytest.mark.parametrize("version", [True, 1.0])
+@pytest.mark.parametrize("version", [True, 1.0, float(SCHEMA_VERSION)])
 def test_bool_or_float_schema_version_rejected(version) -> None:
     obj = wire()
     obj["v"] = version
@@ -170,8 +189,15 @@ def test_missing_and_extra_body_fields_are_named() -> None:
     (EVENTS[8], "pool", "pööl", "evict.pool: expected a name"),
     (EVENTS[8], "pool", "p" * 129, "evict.pool: expected a name"),
     (EVENTS[2], "segment", "../../etc/passwd\x00", "put.segment: expected a name"),
-    (EVENTS[8], "reason", "r" * 257, "evict.reason: expected a string of at most 256"),
-    (EVENTS[8], "reason", 5, "evict.reason: expected a string"),
+    (EVENTS[8], "reason", "r" * 257, "evict.reason: expected one of clean, demoted, unreused, make_room"),
+    (EVENTS[8], "reason", 5, "evict.reason: expected one of"),
+    (EVENTS[8], "reason", ["clean"], "evict.reason: expected one of"),  # unhashable: no TypeError
+    (EVENTS[8], "reason", "no_room", "evict.reason: expected one of"),  # a Failure is no evict reason
+    (EVENTS[9], "cause", "demote_failed", "stored.cause: expected one of store, promote, demote, copy, evict"),
+    (EVENTS[9], "cause", 2, "stored.cause: expected one of"),
+    (EVENTS[10], "why", "evict:clean", "removed.why: expected one of clean, demoted, unreused, make_room, bad_staging"),
+    (EVENTS[10], "why", {"a": 1}, "removed.why: expected one of"),
+    (EVENTS[10], "why", None, "removed.why: expected one of"),
     (EVENTS[2], "blocks", [[K1, None, 0]], "put.blocks[0]: staged block must be [key, parent, slot, gen]"),
     (EVENTS[2], "blocks", [[K1, None, 0, 1, 2]], "put.blocks[0]: staged block must be"),
     (EVENTS[2], "blocks", [{"key": K1}], "put.blocks[0]: staged block must be"),

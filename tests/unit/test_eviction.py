@@ -1,12 +1,14 @@
-"""The tier workers' eviction rules (kvtier/core/eviction.py): the verdict a worker acts on."""
+"""The tier workers' eviction rules (kvtier/core/eviction.py): the verdict a worker acts on; and
+what the workers report back to the Placement that owns the indices (kvtier/core/residency.py)."""
 
 from __future__ import annotations
 
-from kvtier.core.events import Tier
-from kvtier.core.eviction import Verdict, after_local_drop, after_redis_check, evict_verdict
+from kvtier.core.events import Reason, Tier
+from kvtier.core.eviction import Verdict, after_redis_check, evict_verdict, room_victim
 from tests.support.placement import k, placement, put
 
 GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
+CLEAN, UNREUSED, MAKE_ROOM = Reason.CLEAN, Reason.UNREUSED, Reason.MAKE_ROOM
 
 
 def leaving(p, t: Tier, i: int) -> None:
@@ -18,7 +20,7 @@ def test_a_block_chosen_to_leave_goes_when_a_lower_tier_holds_it() -> None:
     put(p, GPU, [1])
     put(p, CPU, [1])
     leaving(p, GPU, 1)
-    assert evict_verdict(p, GPU, k(1), "clean") is Verdict.DROP
+    assert evict_verdict(p, GPU, k(1), CLEAN) is Verdict.DROP
 
 
 def test_a_reader_pin_taken_after_the_choice_refuses_the_eviction() -> None:
@@ -27,9 +29,9 @@ def test_a_reader_pin_taken_after_the_choice_refuses_the_eviction() -> None:
     put(p, CPU, [1])
     leaving(p, GPU, 1)
     assert p.tiers[GPU].pin(k(1))  # a reader, on top of the leaving mark's own pin
-    assert evict_verdict(p, GPU, k(1), "clean") is Verdict.BUSY
+    assert evict_verdict(p, GPU, k(1), CLEAN) is Verdict.BUSY
     p.tiers[GPU].unpin(k(1))
-    assert evict_verdict(p, GPU, k(1), "clean") is Verdict.DROP
+    assert evict_verdict(p, GPU, k(1), CLEAN) is Verdict.DROP
 
 
 def test_a_child_arrived_since_the_choice_refuses_the_eviction() -> None:
@@ -38,17 +40,17 @@ def test_a_child_arrived_since_the_choice_refuses_the_eviction() -> None:
     leaving(p, CPU, 1)
     put(p, REDIS, [1])
     p.tiers[GPU].add(k(2), k(1))  # its extension, in gpu: the cpu parent may not leave the node
-    assert evict_verdict(p, CPU, k(1), "clean") is Verdict.BUSY
+    assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.BUSY
 
 
 def test_late_duplicate_and_only_copy_commands() -> None:
     p = placement()
-    assert evict_verdict(p, CPU, k(9), "clean") is Verdict.GONE
+    assert evict_verdict(p, CPU, k(9), CLEAN) is Verdict.GONE
     put(p, CPU, [1])
-    assert evict_verdict(p, CPU, k(1), "clean") is Verdict.STALE  # not chosen (any more)
+    assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.STALE  # not chosen (any more)
     leaving(p, CPU, 1)
-    assert evict_verdict(p, CPU, k(1), "clean") is Verdict.ONLY_COPY
-    assert evict_verdict(p, CPU, k(1), "unreused") is Verdict.DROP  # the documented drop
+    assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.ONLY_COPY
+    assert evict_verdict(p, CPU, k(1), UNREUSED) is Verdict.DROP  # the documented drop
 
 
 def test_a_redis_copy_is_confirmed_before_the_last_local_copy_goes() -> None:
@@ -56,20 +58,63 @@ def test_a_redis_copy_is_confirmed_before_the_last_local_copy_goes() -> None:
     put(p, CPU, [1])
     put(p, REDIS, [1])
     leaving(p, CPU, 1)
-    assert evict_verdict(p, CPU, k(1), "clean") is Verdict.ASK_REDIS
-    assert after_redis_check(True, "clean") is Verdict.DROP
-    assert after_redis_check(False, "clean") is Verdict.ONLY_COPY
-    assert after_redis_check(False, "unreused") is Verdict.DROP
+    assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.ASK_REDIS
+    assert after_redis_check(True, CLEAN) is Verdict.DROP
+    assert after_redis_check(False, CLEAN) is Verdict.ONLY_COPY
+    assert after_redis_check(False, UNREUSED) is Verdict.DROP
 
 
 def test_the_redis_record_is_kept_only_while_a_local_copy_exists() -> None:
     p = placement()
+    assert not p.in_redis(k(1), None) and k(1) not in p.tiers[REDIS]  # no local copy: not recorded
     put(p, GPU, [1])
     put(p, CPU, [1])
+    assert p.in_redis(k(1), None) and k(1) in p.tiers[REDIS]
+    p.dropped(GPU, k(1))
+    assert k(1) not in p.tiers[GPU] and k(1) in p.tiers[REDIS]  # cpu still holds it
+    p.dropped(CPU, k(1))
+    assert k(1) not in p.tiers[CPU] and k(1) not in p.tiers[REDIS]
+
+
+def test_a_failed_write_frees_its_slot_and_a_gone_redis_copy_is_forgotten() -> None:
+    p = placement(cpu=1)
+    e = p.reserve(CPU, k(1), None)
+    assert e is not None and k(1) not in p.tiers[CPU]  # reserved: counted, not visible
+    assert p.reserve(CPU, k(2), None) is None  # full
+    p.unreserve(CPU, k(1))
+    assert p.tiers[CPU].free == 1 and p.tiers[CPU].get(k(1)) is None
+    assert p.reserve(CPU, k(2), None) is not None and p.commit(CPU, k(2)) is not None
+    assert p.where(k(2)) is CPU and p.in_redis(k(2), None) and p.where(k(2)) is CPU
+    p.not_in_redis(k(2))
+    assert k(2) not in p.tiers[REDIS]
+
+
+def test_making_room_drops_only_what_the_next_tier_holds() -> None:
+    p = placement()
+    put(p, GPU, [1, 2])
+    put(p, CPU, [3])
+    assert room_victim(p, GPU) is None  # cpu holds neither gpu block
+    assert room_victim(p, CPU) is None  # Redis is not known to hold the cpu block
+    put(p, CPU, [2])
+    assert room_victim(p, GPU) == (k(2), Verdict.DROP)
+    put(p, REDIS, [3])
+    assert room_victim(p, CPU) == (k(3), Verdict.ASK_REDIS)  # confirmed with Redis first
+    assert after_redis_check(True, MAKE_ROOM) is Verdict.DROP
+    assert after_redis_check(False, MAKE_ROOM) is Verdict.ONLY_COPY  # try another, or give up
+    assert room_victim(p, REDIS) is None
+
+
+def test_making_room_spares_read_parents_and_extended_blocks() -> None:
+    p = placement()
+    put(p, GPU, [1, 2], chain=True)  # 1 <- 2 in gpu
+    put(p, CPU, [1, 2])
+    assert room_victim(p, GPU) == (k(2), Verdict.DROP)  # the tail, not its parent
+    assert p.tiers[GPU].pin(k(2))  # a reader
+    assert room_victim(p, GPU) is None
+    p.tiers[GPU].unpin(k(2))
+    assert p.tiers[GPU].mark_leaving(k(2))  # chosen to leave already: its pin is the mark's
+    assert room_victim(p, GPU) == (k(2), Verdict.DROP)
     put(p, REDIS, [1])
-    p.tiers[GPU].remove(k(1))
-    after_local_drop(p, k(1))
-    assert k(1) in p.tiers[REDIS]  # cpu still holds it
-    p.tiers[CPU].remove(k(1))
-    after_local_drop(p, k(1))
-    assert k(1) not in p.tiers[REDIS]
+    assert room_victim(p, CPU) is None  # its child sits in gpu: it stays on the node
+    p.dropped(GPU, k(2))
+    assert room_victim(p, CPU) == (k(1), Verdict.ASK_REDIS)

@@ -215,7 +215,8 @@ def test_llama3_8b_block_is_exactly_2_mib() -> None:
     assert LLAMA3_8B.block_bytes == 2 * 1024 * 1024
 
 
-@pytest.mark.parametrize("dtype, size", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1), ("uint8", 1)])
+@pytest.mark.parametrize("dtype, size",
+                         [("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1), ("uint8", 1)])
 def test_block_bytes_scale_with_dtype(dtype: str, size: int) -> None:
     layout = BlockLayout("m", 3, 5, 7, 11, dtype)
     assert layout.shape == (3, 2, 5, 11, 7)

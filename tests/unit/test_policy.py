@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.core.events import Demote, Evict, Promote, Removed, Store, Stored, Tier
+from kvtier.core.events import Cause, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from tests.support.placement import NOW, POOL, TIMEOUT, k, placement, put
 
 # --- admit ---------------------------------------------------------------------------------------
@@ -25,13 +25,13 @@ def test_admit_counts_blocks_in_flight_across_calls_until_their_fact() -> None:
     assert p.admit([k(2)], NOW) == [Tier.CPU]  # the gpu slot is spoken for, though not yet reserved
     assert p.admit([k(3)], NOW) == [OVERFLOW]
     assert p.room(Tier.GPU) == p.room(Tier.CPU) == 0
-    assert p.on_fact(Removed(POOL, k(1), Tier.GPU, "store_failed:verify")) == []
+    assert p.on_fact(Removed(POOL, k(1), Tier.GPU, Cause.STORE, Failure.VERIFY)) == []
     assert p.room(Tier.GPU) == 1
     assert p.incoming(Tier.GPU) == 0 and p.incoming(Tier.CPU) == 1
-    assert p.on_fact(Removed(POOL, k(99), Tier.CPU, "evict:clean")) == []  # another key's fact
+    assert p.on_fact(Removed(POOL, k(99), Tier.CPU, Cause.EVICT, Reason.CLEAN)) == []  # another key's fact
     assert p.room(Tier.CPU) == 0 and p.incoming(Tier.CPU) == 1
     p.tiers[Tier.CPU].add(k(2), None)
-    assert p.on_fact(Stored(POOL, k(2), None, Tier.CPU, 0, "store")) == []
+    assert p.on_fact(Stored(POOL, k(2), None, Tier.CPU, 0, Cause.STORE)) == []
     assert p.room(Tier.CPU) == 0 and p.incoming(Tier.CPU) == 0  # now the slot itself is used
     assert p.admit([k(4), k(5)], NOW) == [Tier.GPU, OVERFLOW]
 
@@ -67,7 +67,7 @@ def test_pressure_demotes_or_evicts_coldest_down_to_low_watermark() -> None:
     cmds = p.pressure(NOW)
     # staying 10 > 9 -> shed down to int(0.75 * 10) = 7: three blocks, coldest first.
     assert cmds == [
-        Evict(POOL, k(1), Tier.GPU, "clean"),
+        Evict(POOL, k(1), Tier.GPU, Reason.CLEAN),
         Demote(POOL, k(2), None, Tier.GPU, Tier.CPU, p.tiers[Tier.GPU].get(k(2)).slot, 0),
         Demote(POOL, k(3), None, Tier.GPU, Tier.CPU, p.tiers[Tier.GPU].get(k(3)).slot, 0),
     ]
@@ -81,7 +81,7 @@ def test_demote_carries_parent_and_cpu_sheds_to_redis() -> None:
     p = placement(gpu=10, cpu=4)
     put(p, Tier.CPU, [1, 2, 3, 4], chain=True)
     put(p, Tier.REDIS, [4])
-    assert p.pressure(NOW) == [Evict(POOL, k(4), Tier.CPU, "clean")]
+    assert p.pressure(NOW) == [Evict(POOL, k(4), Tier.CPU, Reason.CLEAN)]
     p2 = placement(gpu=10, cpu=4)
     put(p2, Tier.CPU, [1, 2, 3, 4], chain=True)
     slot = p2.tiers[Tier.CPU].get(k(4)).slot
@@ -134,20 +134,22 @@ def test_demotes_on_their_way_down_count_toward_the_next_tier_pressure() -> None
 
 # --- facts ---------------------------------------------------------------------------------------
 def test_stored_by_demote_evicts_the_upper_copy() -> None:
-    p = placement()
+    p = placement(gpu=2, cpu=2, high_watermark=0.4, low_watermark=0.4)
     put(p, Tier.GPU, [1])
     put(p, Tier.CPU, [5])
-    cpu_fact = Stored(POOL, k(1), None, Tier.CPU, 3, "demote")
+    cpu_fact = Stored(POOL, k(1), None, Tier.CPU, 3, Cause.DEMOTE)
     assert p.on_fact(cpu_fact) == [], "not chosen to leave: a stray or late fact evicts nothing"
     p.tiers[Tier.GPU].mark_leaving(k(1))
-    p.tiers[Tier.CPU].mark_leaving(k(5))
-    assert p.on_fact(cpu_fact) == [Evict(POOL, k(1), Tier.GPU, "demoted")]
-    redis_fact = Stored(POOL, k(5), None, Tier.REDIS, -1, "demote")
-    assert p.on_fact(redis_fact) == [Evict(POOL, k(5), Tier.CPU, "demoted")]
-    assert p.on_fact(Stored(POOL, k(9), None, Tier.CPU, 3, "demote")) == []  # no upper copy
-    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 3, "store")) == []
-    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 3, "promote")) == []
-    assert p.on_fact(Stored(POOL, k(1), None, Tier.GPU, 0, "demote")) == []
+    assert p.on_fact(cpu_fact) == [], "leaving, but by no demote: the mark is another command's"
+    p.tiers[Tier.GPU].clear_leaving(k(1))
+    assert [(type(c), c.key, c.dst) for c in p.pressure(NOW)] == [(Demote, k(1), Tier.CPU), (Demote, k(5), Tier.REDIS)]
+    assert p.on_fact(cpu_fact) == [Evict(POOL, k(1), Tier.GPU, Reason.DEMOTED)]
+    redis_fact = Stored(POOL, k(5), None, Tier.REDIS, -1, Cause.DEMOTE)
+    assert p.on_fact(redis_fact) == [Evict(POOL, k(5), Tier.CPU, Reason.DEMOTED)]
+    assert p.on_fact(Stored(POOL, k(9), None, Tier.CPU, 3, Cause.DEMOTE)) == []  # no upper copy
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 3, Cause.STORE)) == []
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 3, Cause.PROMOTE)) == []
+    assert p.on_fact(Stored(POOL, k(1), None, Tier.GPU, 0, Cause.DEMOTE)) == []
 
 
 def test_failed_demote_clears_leaving_so_the_block_can_be_chosen_again() -> None:
@@ -155,11 +157,11 @@ def test_failed_demote_clears_leaving_so_the_block_can_be_chosen_again() -> None
     gpu = p.tiers[Tier.GPU]
     put(p, Tier.GPU, range(10))
     assert [c.key for c in p.pressure(NOW)] == [k(0), k(1), k(2)]  # 10 -> 7
-    assert p.on_fact(Removed(POOL, k(0), Tier.CPU, "evict:clean")) == []
+    assert p.on_fact(Removed(POOL, k(0), Tier.CPU, Cause.EVICT, Reason.CLEAN)) == []
     assert gpu.get(k(0)).leaving  # an unrelated removal changes nothing
-    assert p.on_fact(Removed(POOL, k(0), Tier.GPU, "demote_failed:no_room")) == []
+    assert p.on_fact(Removed(POOL, k(0), Tier.GPU, Cause.DEMOTE, Failure.NO_ROOM)) == []
     assert gpu.get(k(0)).leaving  # a gpu fact has no upper tier to clear
-    assert p.on_fact(Removed(POOL, k(0), Tier.CPU, "demote_failed:no_room")) == []
+    assert p.on_fact(Removed(POOL, k(0), Tier.CPU, Cause.DEMOTE, Failure.NO_ROOM)) == []
     e = gpu.get(k(0))
     assert not e.leaving and e.pins == 0 and gpu.leaving == 2
     assert [c.key for c in p.pressure(NOW)] == [k(0)]  # 8 staying > 7.5: chosen again, and only it
@@ -184,7 +186,7 @@ def test_access_does_not_promote_what_gpu_has_nor_past_its_room() -> None:
     cmds = p.on_access([k(1), k(2), k(3), k(77)], NOW)
     assert [(c.key, c.src, c.dst) for c in cmds] == [(k(1), Tier.CPU, Tier.GPU)]
     assert p.on_access([k(2)], NOW) == []  # the last gpu slot is promised to k(1)
-    p.on_fact(Removed(POOL, k(1), Tier.GPU, "promote_failed:source_miss"))
+    p.on_fact(Removed(POOL, k(1), Tier.GPU, Cause.PROMOTE, Failure.SOURCE_MISS))
     assert [c.key for c in p.on_access([k(2)], NOW)] == [k(2)]
 
 
@@ -242,8 +244,8 @@ def test_a_key_in_flight_is_not_admitted_or_promoted_again_until_it_settles() ->
     (fetch,) = p.on_prefetch([k(3)], None, NOW)
     assert p.admit([k(3)], NOW + 1) == [None] and p.on_prefetch([k(3)], None, NOW + 1) == []
     assert p.incoming(Tier.GPU) == 2 and p.incoming(Tier.CPU) == 1
-    p.on_fact(Removed(POOL, k(1), Tier.GPU, "store_failed:verify"))
-    p.on_fact(Removed(POOL, k(5), Tier.GPU, "promote_failed:source_miss"))
+    p.on_fact(Removed(POOL, k(1), Tier.GPU, Cause.STORE, Failure.VERIFY))
+    p.on_fact(Removed(POOL, k(5), Tier.GPU, Cause.PROMOTE, Failure.SOURCE_MISS))
     assert p.on_access([k(5)], NOW + 2) == [promote]  # settled: decided afresh
     assert p.admit([k(1)], NOW + 2) == [Tier.GPU] and p.room(Tier.GPU) == 0
 
@@ -306,11 +308,11 @@ def test_refused_or_expired_evicts_clear_leaving_and_an_eviction_fact_settles_it
     assert [(type(c), c.key) for c in p.pressure(NOW)] == [(Evict, k(0)), (Demote, k(1)), (Demote, k(2))]
     p.refused(Tier.GPU, k(0))  # the worker found it was the only copy after all
     assert not gpu.get(k(0)).leaving and gpu.get(k(0)).pins == 0 and gpu.leaving == 2
-    assert p.pressure(NOW + 1) == [Evict(POOL, k(0), Tier.GPU, "clean")]  # 8 > 7.5: chosen again
+    assert p.pressure(NOW + 1) == [Evict(POOL, k(0), Tier.GPU, Reason.CLEAN)]  # 8 > 7.5: chosen again
     assert [c.key for c in p.pressure(NOW + TIMEOUT)] == [k(1), k(2)]  # the demotes gave up
-    assert p.pressure(NOW + 1 + TIMEOUT) == [Evict(POOL, k(0), Tier.GPU, "clean")]  # so did the evict
+    assert p.pressure(NOW + 1 + TIMEOUT) == [Evict(POOL, k(0), Tier.GPU, Reason.CLEAN)]  # so did the evict
     gpu.remove(k(0))  # this time the worker evicts it, then reports
-    assert p.on_fact(Removed(POOL, k(0), Tier.GPU, "evict:clean")) == []
+    assert p.on_fact(Removed(POOL, k(0), Tier.GPU, Cause.EVICT, Reason.CLEAN)) == []
     assert (Tier.GPU, k(0)) not in p._leaving and gpu.leaving == 2  # no record left to expire
 
 

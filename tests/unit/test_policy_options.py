@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvtier.bus.codec import decode, encode
-from kvtier.core.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
 from kvtier.config import load_config
+from kvtier.core.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
 from kvtier.core.policy import DROP_REASONS, RedisWrite
 from tests.support.placement import NOW, POOL, k, placement, put
 
@@ -15,7 +15,8 @@ def test_policy_choices_are_enums_built_from_config_values() -> None:
     assert RedisWrite("write-through") is THROUGH and RedisWrite("write-back") is RedisWrite.WRITE_BACK
     cfg = load_config(None, {"KVTIER__POLICY__REDIS_WRITE": "write-through", "KVTIER__POLICY__PREFETCH_TO": "gpu",
                              "KVTIER__POLICY__REDIS_ADMIT_AFTER_HITS": "2"})
-    assert (cfg.policy.redis_write, cfg.policy.prefetch_to, cfg.policy.redis_admit_after_hits) == ("write-through", "gpu", 2)
+    assert (cfg.policy.redis_write, cfg.policy.prefetch_to, cfg.policy.redis_admit_after_hits) == (
+        "write-through", "gpu", 2)
 
 
 def test_copy_roundtrips_through_the_codec() -> None:
@@ -69,7 +70,8 @@ def test_write_through_with_the_filter_copies_on_the_nth_read() -> None:
     put(p, Tier.CPU, [1])
     assert p.on_fact(Stored(POOL, k(1), None, Tier.CPU, 0, "store")) == [], "not reused yet"
     assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == []
-    assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == [
+        Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
     assert [c for c in p.on_access([k(1)], NOW) if isinstance(c, Copy)] == [], "once"
 
 

@@ -4,9 +4,11 @@ A Hypothesis state machine drives the policy with client events (put, get, prefe
 pressure, reader pins, Redis TTL expiry and outages, lost, late and duplicated deliveries and
 daemon restarts, under drawn knobs and tier sizes. A synchronous executor carries out the
 commands as kvtier/tiers/worker.py does, in the order Coordinator.flush publishes them, and
-feeds every fact back through `Placement.on_fact`. Plain dicts model the bytes each tier holds
-and the cpu slot headers; a block's bytes are a function of its key, and the keys form a small
-forest (chains with a branch) so puts collide and prefixes matter.
+feeds every fact back through `Placement.on_fact`. It decides what the worker decides with the
+worker's own rules (kvtier/core/eviction.py) and changes the indices only as the worker does,
+through the Placement's methods; only the I/O is modelled. Plain dicts model the bytes each tier
+holds and the cpu slot headers; a block's bytes are a function of its key, and the keys form a
+small forest (chains with a branch) so puts collide and prefixes matter.
 
 Every command may be lost (dead-lettered, trimmed) or delivered again late, evictions
 included: the worker carries out an evict only for a block still marked leaving, so a late one
@@ -22,8 +24,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.core.events import Copy, Demote, Evict, Promote, Removed, Store, Stored, Tier
-from kvtier.core.eviction import REFUSED, Verdict, after_redis_check, evict_verdict
+from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
+from kvtier.core.eviction import REFUSED, ROOM_TRIES, Verdict, after_redis_check, evict_verdict, room_victim
 from kvtier.core.index import State, TierIndex
 from kvtier.core.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
 
@@ -62,6 +64,7 @@ PATHS = sorted({tuple(p[i:j]) for k in KEYS for p in [_root_path(k)]
                 for i in range(len(p)) for j in range(i + 1, len(p) + 1)})
 paths = st.sampled_from(PATHS)
 lose = st.just(frozenset()) | st.frozensets(st.integers(0, 4), min_size=1, max_size=2)  # lost commands
+readers = st.none() | st.integers(0, 7)  # which block chosen to leave a reader pins in time, if any
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -124,7 +127,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def observe(self, fact: Stored | Removed) -> None:
         """What a fact changes in the model besides the tiers, as on_fact does in the policy."""
-        if isinstance(fact, Removed) and fact.cause.startswith("promote_failed:"):
+        if isinstance(fact, Removed) and fact.cause == Cause.PROMOTE and all(fact.key not in self.data[t] for t in LOCAL):
             self.leases.pop(fact.key, None)  # the policy gives up the lease of what never came
 
     def apply(self, cmd) -> list[Stored | Removed]:
@@ -138,28 +141,29 @@ class PolicyMachine(RuleBasedStateMachine):
         facts, self.extra = self.extra + [fact] * (fact is not None), []
         return facts
 
-    def stored_fact(self, k: bytes, t: Tier, slot: int, cause: str) -> Stored:
+    def stored_fact(self, k: bytes, t: Tier, slot: int, cause: Cause) -> Stored:
         self.stored.add(k)
         return Stored(POOL, k, PARENT[k], t, slot, cause)
 
     def store(self, c: Store) -> Stored | Removed:
         if (held := self.idx[c.tier].get(c.key)) is not None:  # duplicate, or another client won
             self.staged.discard(c.gen)
-            return Stored(POOL, c.key, c.parent, c.tier, held.slot, Store.TYPE)
+            return Stored(POOL, c.key, c.parent, c.tier, held.slot, Cause.STORE)
         if c.gen not in self.staged:  # staging slot already released: its generation check fails
-            return Removed(POOL, c.key, c.tier, "store_failed:verify")
+            return Removed(POOL, c.key, c.tier, Cause.STORE, Failure.VERIFY)
         self.staged.discard(c.gen)
         if c.tier == REDIS:
             if not self.redis_put(c.key, bytes_of(c.key)):
-                return Removed(POOL, c.key, REDIS, "store_failed:redis")
-            return self.stored_fact(c.key, REDIS, -1, Store.TYPE)
+                return Removed(POOL, c.key, REDIS, Cause.STORE, Failure.REDIS)
+            return self.stored_fact(c.key, REDIS, -1, Cause.STORE)
         if (e := self.write_local(c.tier, c.key, bytes_of(c.key))) is None:
-            return Removed(POOL, c.key, c.tier, "store_failed:no_room")
-        return self.stored_fact(c.key, c.tier, e.slot, Store.TYPE)
+            return Removed(POOL, c.key, c.tier, Cause.STORE, Failure.NO_ROOM)
+        return self.stored_fact(c.key, c.tier, e.slot, Cause.STORE)
 
     def transfer(self, c: Promote | Demote | Copy) -> Stored | Removed:
+        cause = Cause(c.TYPE)
         if c.dst != REDIS and (have := self.idx[c.dst].get(c.key)) is not None:
-            return Stored(POOL, c.key, c.parent, c.dst, have.slot, c.TYPE)
+            return Stored(POOL, c.key, c.parent, c.dst, have.slot, cause)
         if c.src == REDIS:
             payload = self.data[REDIS].get(c.key) if self.redis_up else None
         else:
@@ -167,21 +171,23 @@ class PolicyMachine(RuleBasedStateMachine):
             payload = self.data[c.src].get(c.key) if e is not None and e.state is State.READY else None
         if payload is None:
             if c.src == REDIS:
-                self.idx[REDIS].remove(c.key)
-            return Removed(POOL, c.key, c.dst, f"{c.TYPE}_failed:source_miss")
+                self.p.not_in_redis(c.key)
+            return Removed(POOL, c.key, c.dst, cause, Failure.SOURCE_MISS)
         if c.dst == REDIS:
             if not self.redis_put(c.key, payload):
-                return Removed(POOL, c.key, REDIS, f"{c.TYPE}_failed:redis")
-            return self.stored_fact(c.key, REDIS, -1, c.TYPE)
+                return Removed(POOL, c.key, REDIS, cause, Failure.REDIS)
+            return self.stored_fact(c.key, REDIS, -1, cause)
         if (e := self.write_local(c.dst, c.key, payload)) is None:
-            return Removed(POOL, c.key, c.dst, f"{c.TYPE}_failed:no_room")
-        return self.stored_fact(c.key, c.dst, e.slot, c.TYPE)
+            return Removed(POOL, c.key, c.dst, cause, Failure.NO_ROOM)
+        if c.src == REDIS:  # read back from Redis: Redis holds it
+            self.p.in_redis(c.key, c.parent)
+        return self.stored_fact(c.key, c.dst, e.slot, cause)
 
     def evict(self, c: Evict) -> Removed | None:
         if c.tier == REDIS:
             self.data[REDIS].pop(c.key, None)
-            self.idx[REDIS].remove(c.key)
-            return Removed(POOL, c.key, REDIS, f"evict:{c.reason}")
+            self.p.not_in_redis(c.key)
+            return Removed(POOL, c.key, REDIS, Cause.EVICT, c.reason)
         # The worker's own rules (kvtier/core/eviction.py): gone, stale, busy, safe or the only copy.
         verdict = evict_verdict(self.p, c.tier, c.key, c.reason)
         in_redis = False
@@ -193,7 +199,8 @@ class PolicyMachine(RuleBasedStateMachine):
         if verdict in REFUSED:
             self.p.refused(c.tier, c.key)
             return None
-        if not ((c.tier == GPU and c.key in self.idx[CPU]) or in_redis):  # a documented drop (the frequency filter): only of a block read too little
+        # Neither lower tier holds it: a documented drop (the frequency filter), of a block read too little.
+        if not ((c.tier == GPU and c.key in self.idx[CPU]) or in_redis):
             assert c.reason in DROP_REASONS, f"{c}: dropped the only copy"
             n = self.knobs.redis_admit_after_hits
             assert all(x.hits < n for t in LOCAL if (x := self.idx[t].get(c.key))), \
@@ -201,14 +208,13 @@ class PolicyMachine(RuleBasedStateMachine):
             if all(c.key not in self.data[t] for t in Tier if t != c.tier):
                 self.stored.discard(c.key)  # gone by a documented rule
         self.drop(c.tier, c.key, c.reason)
-        return Removed(POOL, c.key, c.tier, f"evict:{c.reason}")
+        return Removed(POOL, c.key, c.tier, Cause.EVICT, c.reason)
 
     def redis_put(self, k: bytes, payload: bytes) -> bool:
         if not self.redis_up:
             return False
         self.data[REDIS][k] = payload
-        if any(self.idx[t].get(k) is not None for t in LOCAL):
-            self.idx[REDIS].add(k, PARENT[k])
+        self.p.in_redis(k, PARENT[k])
         return True
 
     def redis_has(self, k: bytes) -> bool:
@@ -216,33 +222,37 @@ class PolicyMachine(RuleBasedStateMachine):
             return False
         if k in self.data[REDIS]:
             return True
-        self.idx[REDIS].remove(k)  # the record was stale (TTL): forget it
+        self.p.not_in_redis(k)  # the record was stale (TTL): forget it
         return False
 
     def write_local(self, t: Tier, k: bytes, payload: bytes):
         idx = self.idx[t]
         if (e := idx.get(k)) is not None:
             return e
-        e = idx.reserve(k, PARENT[k])
+        e = self.p.reserve(t, k, PARENT[k])
         if e is None and self.make_room(t):
-            e = idx.reserve(k, PARENT[k])
+            e = self.p.reserve(t, k, PARENT[k])
         if e is None:
             return None
         assert e.slot not in self.headers[t], f"slot {e.slot} handed out twice in {t.label}"
         self.headers[t][e.slot] = k
         self.data[t][k] = payload
-        return idx.commit(k)
+        return self.p.commit(t, k)
 
     def make_room(self, t: Tier) -> bool:
-        for _ in range(4):
-            victim = self.p.clean_victim(t)
-            if victim is None:
+        """As Evictions.make_room: the victims the worker's rule picks, confirmed as it confirms them."""
+        for _ in range(ROOM_TRIES):
+            choice = room_victim(self.p, t)
+            if choice is None:
                 return False
-            if t == CPU and not self.redis_has(victim):
-                continue
-            self.drop(t, victim, "make_room")
-            self.extra.append(Removed(POOL, victim, t, "evict:make_room"))
-            return True
+            victim, verdict = choice
+            if verdict is Verdict.ASK_REDIS:
+                verdict = after_redis_check(self.redis_has(victim), Reason.MAKE_ROOM)
+            if verdict is Verdict.DROP:
+                assert victim in self.idx[Tier(t + 1)] or victim in self.data[REDIS], f"{victim!r}: the only copy"
+                self.drop(t, victim, Reason.MAKE_ROOM)
+                self.extra.append(Removed(POOL, victim, t, Cause.EVICT, Reason.MAKE_ROOM))
+                return True
         return False
 
     def drop(self, t: Tier, k: bytes, why: str) -> None:
@@ -258,13 +268,12 @@ class PolicyMachine(RuleBasedStateMachine):
             assert self.idx[GPU].children(k) == 0, f"{k!r} left the node while a child sits in gpu"
         del self.headers[t][idx.get(k).slot]
         del self.data[t][k]
-        idx.remove(k)
-        if all(self.idx[u].get(k) is None for u in LOCAL):
-            self.idx[REDIS].remove(k)
+        self.p.dropped(t, k)
 
-    def flush(self, cmds, lost=frozenset(), room_promised: bool = False) -> None:
+    def flush(self, cmds, lost=frozenset(), room_promised: bool = False, reader: int | None = None) -> None:
         """As Coordinator.flush: what pressure sheds joins the batch's commands, decided before
-        any of them has run, and all are published (here: run) together."""
+        any of them has run, and all are published (here: run) together. With a `reader`, a
+        reader pins one of the blocks chosen to leave after the choice, before its worker acts."""
         shed = self.p.pressure(self.now)
         self.expired()
         for c in shed:  # the decisions themselves: evictable blocks, and safe ways out
@@ -279,9 +288,15 @@ class PolicyMachine(RuleBasedStateMachine):
             assert t == GPU or not self.idx[GPU].children(c.key), f"{c}: parent of gpu blocks"
             if isinstance(c, Evict):
                 assert c.reason in DROP_REASONS or any(c.key in self.idx[u] for u in Tier if u > t), c
+        chosen = [c for c in shed if not isinstance(c, Promote)]
+        if reader is not None and chosen and sum(self.pins.values()) < 3:
+            c = chosen[reader % len(chosen)]
+            t = c.tier if isinstance(c, Evict) else c.src
+            assert self.idx[t].pin(c.key)
+            self.pins[(t, c.key)] += 1
         facts = self.execute(list(cmds) + shed, lost)
         if room_promised:  # admit and promote-on-hits count what is on its way in
-            assert not [f for f in facts if f.cause in ("store_failed:no_room", "promote_failed:no_room")], \
+            assert not [f for f in facts if isinstance(f, Removed) and f.why == Failure.NO_ROOM], \
                 "room was promised that was not there"
 
     def expired(self) -> None:
@@ -302,15 +317,15 @@ class PolicyMachine(RuleBasedStateMachine):
 
     # --- rules ----------------------------------------------------------------------------------
 
-    @rule(path=paths, lost=lose)
-    def put(self, path, lost) -> None:
+    @rule(path=paths, lost=lose, reader=readers)
+    def put(self, path, lost, reader) -> None:
         cmds = []
         for k, t in zip(path, self.p.admit(list(path), self.now)):
             if t is not None:
                 self.gen += 1
                 self.staged.add(self.gen)
                 cmds.append(Store(POOL, t, k, PARENT[k], "seg", self.gen % 16, self.gen))
-        self.flush(cmds, lost, room_promised=True)
+        self.flush(cmds, lost, room_promised=True, reader=reader)
 
     @rule(data=st.data(), lost=lose)
     def get(self, data, lost) -> None:
@@ -334,9 +349,9 @@ class PolicyMachine(RuleBasedStateMachine):
                 self.leases[k] = self.now + LEASE
         self.flush(cmds, lost)
 
-    @rule(lost=lose)
-    def pressure(self, lost) -> None:
-        self.flush([], lost)
+    @rule(lost=lose, reader=readers)
+    def pressure(self, lost, reader) -> None:
+        self.flush([], lost, reader=reader)
 
     @rule(dt=st.sampled_from([LEASE, T, 2 * T]) | st.floats(0.0, 2 * T), lost=lose)
     def advance(self, dt, lost) -> None:
@@ -381,6 +396,7 @@ class PolicyMachine(RuleBasedStateMachine):
         states = []
         for _ in range(2):
             for fact in [item] if isinstance(item, (Stored, Removed)) else self.apply(item):
+                self.observe(fact)  # the coordinator takes it as any other fact
                 self.execute(self.p.on_fact(fact))
             states.append(self.snapshot())
         assert states[0] == states[1], f"delivering {item} again changed the state"
@@ -457,7 +473,8 @@ class PolicyMachine(RuleBasedStateMachine):
 
 
 TestPolicyState = PolicyMachine.TestCase
-TestPolicyState.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+import os
+TestPolicyState.settings = settings(max_examples=int(os.environ.get("PS_EX", "150")), database=None, stateful_step_count=40, deadline=None)
 
 
 # --- what the machine found, as small cases -----------------------------------------------------
@@ -469,22 +486,25 @@ def _placement(gpu: int = 3, cpu: int = 5, **knobs) -> Placement:
     return Placement(POOL, tiers, PolicyKnobs(**knobs))
 
 
-def _stored(p: Placement, t: Tier, k: bytes, cause: str) -> list:
+def _stored(p: Placement, t: Tier, k: bytes, cause: Cause) -> list:
     """A worker stored `k` in `t` (index and fact), as TierWorker does; the policy's answer."""
-    p.tiers[t].add(k, PARENT[k])
+    if t == REDIS:
+        assert p.in_redis(k, PARENT[k])
+    else:
+        assert p.reserve(t, k, PARENT[k]) is not None and p.commit(t, k) is not None
     return p.on_fact(Stored(POOL, k, PARENT[k], t, p.tiers[t].get(k).slot, cause))
 
 
 def test_write_back_keeps_a_parent_whose_children_arrived_meanwhile() -> None:
     """Found before 24ad0dd: the shed decided in the same flush as a put's stores chose their parent."""
     p = _placement()
-    _stored(p, GPU, A0, "store")
+    _stored(p, GPU, A0, Cause.STORE)
     assert p.admit([A0, A1, A2], 0.0) == [None, GPU, GPU]  # a client extends the chain a0 -> a1 -> a2
     shed = p.pressure(0.0)  # same flush, same publish as the two stores
     assert [(type(c), c.key) for c in shed] == [(Demote, A0)]
     for k in (A1, A2):
-        _stored(p, GPU, k, "store")
-    assert _stored(p, CPU, A0, "demote") == [], "evicts a0 from gpu before its children"
+        _stored(p, GPU, k, Cause.STORE)
+    assert _stored(p, CPU, A0, Cause.DEMOTE) == [], "evicts a0 from gpu before its children"
     assert not p.tiers[GPU].get(A0).leaving and p.tiers[GPU].get(A0).pins == 0
 
 
@@ -493,18 +513,18 @@ def test_a_late_demote_fact_evicts_only_a_block_still_leaving() -> None:
     p = _placement(gpu=4, high_watermark=0.5, low_watermark=0.5)
     gpu = p.tiers[GPU]
     for k in (A0, C0, D0):
-        _stored(p, GPU, k, "store")
+        _stored(p, GPU, k, Cause.STORE)
     assert [(type(c), c.key) for c in p.pressure(0.0)] == [(Demote, A0)]  # the coldest, written back
-    assert _stored(p, CPU, A0, "demote") == [Evict(POOL, A0, GPU, "demoted")]
-    gpu.remove(A0)  # the gpu worker drops it
-    p.on_fact(Removed(POOL, A0, GPU, "evict:demoted"))
+    assert _stored(p, CPU, A0, Cause.DEMOTE) == [Evict(POOL, A0, GPU, Reason.DEMOTED)]
+    p.dropped(GPU, A0)  # the gpu worker drops it
+    p.on_fact(Removed(POOL, A0, GPU, Cause.EVICT, Reason.DEMOTED))
     for _ in range(2):  # read twice from cpu: promoted back to gpu
         promote = p.on_access([A0], 1.0)
     assert [type(c) for c in promote] == [Promote]
-    _stored(p, GPU, A0, "promote")
-    _stored(p, GPU, A1, "store")  # the chain grows in gpu, and a reader pins a0
+    _stored(p, GPU, A0, Cause.PROMOTE)
+    _stored(p, GPU, A1, Cause.STORE)  # the chain grows in gpu, and a reader pins a0
     assert gpu.pin(A0) and not gpu.get(A0).leaving and gpu.children(A0) == 1
-    late = Stored(POOL, A0, None, CPU, p.tiers[CPU].get(A0).slot, "demote")  # redelivered (XAUTOCLAIM)
+    late = Stored(POOL, A0, None, CPU, p.tiers[CPU].get(A0).slot, Cause.DEMOTE)  # redelivered (XAUTOCLAIM)
     assert p.on_fact(late) == [], "the old fact evicts a0 from gpu: pinned, not leaving, with a child"
 
 
@@ -512,24 +532,97 @@ def test_a_cpu_write_back_keeps_a_parent_of_gpu_blocks() -> None:
     """Found by the machine: a write-back decided before a gpu child arrived evicted its cpu parent."""
     p = _placement()
     for k in (C0, D0, A0, A1, A2):  # cpu over its high watermark; c0 and d0 the coldest leaves
-        _stored(p, CPU, k, "store")
+        _stored(p, CPU, k, Cause.STORE)
     assert p.admit([C0, C1], 0.0) == [None, GPU]  # a client extends c0 (in cpu) with c1
     shed = p.pressure(0.0)  # decided in the flush that publishes the store of c1
     assert (Demote, C0, REDIS) in [(type(c), c.key, c.dst) for c in shed]
-    _stored(p, GPU, C1, "store")  # the store runs first
-    cmds = _stored(p, REDIS, C0, "demote")  # then the write-back of c0 completes
-    assert Evict(POOL, C0, CPU, "demoted") not in cmds, "c0 leaves the node while its child c1 is in gpu"
+    _stored(p, GPU, C1, Cause.STORE)  # the store runs first
+    cmds = _stored(p, REDIS, C0, Cause.DEMOTE)  # then the write-back of c0 completes
+    assert Evict(POOL, C0, CPU, Reason.DEMOTED) not in cmds, "c0 leaves the node while its child c1 is in gpu"
 
 
 def test_a_redis_write_back_completes_the_cpu_copy() -> None:
     """Found by the machine: a stored(redis, demote) fact was credited to the gpu copy, also leaving."""
     p = _placement()
     for k in (D0, C0, C1):
-        _stored(p, GPU, k, "store")
+        _stored(p, GPU, k, Cause.STORE)
     assert [(type(c), c.key) for c in p.pressure(0.0)] == [(Demote, D0)]  # gpu -> cpu
-    assert _stored(p, CPU, D0, "demote") == [Evict(POOL, D0, GPU, "demoted")]  # not carried out yet
+    assert _stored(p, CPU, D0, Cause.DEMOTE) == [Evict(POOL, D0, GPU, Reason.DEMOTED)]  # not carried out yet
     for k in (A0, A1, A2, key("a3")):  # cpu fills up behind d0
-        _stored(p, CPU, k, "store")
+        _stored(p, CPU, k, Cause.STORE)
     assert (Demote, D0, REDIS) in [(type(c), c.key, c.dst) for c in p.pressure(0.0)]  # cpu -> redis
-    cmds = _stored(p, REDIS, D0, "demote")
-    assert Evict(POOL, D0, CPU, "demoted") in cmds, f"the cpu copy stays leaving; got {cmds}"
+    cmds = _stored(p, REDIS, D0, Cause.DEMOTE)
+    assert Evict(POOL, D0, CPU, Reason.DEMOTED) in cmds, f"the cpu copy stays leaving; got {cmds}"
+
+
+def test_a_late_eviction_fact_leaves_a_new_mark_free_to_expire() -> None:
+    """Found by the machine: a redelivered removed(evict) fact for a block that came back and was
+    chosen again took the new mark's give-up record, so the mark (and its pin) stayed for ever."""
+    p = _placement(gpu=2, cpu=3)
+    gpu = p.tiers[GPU]
+    _stored(p, CPU, A0, Cause.STORE)
+    _stored(p, GPU, A0, Cause.PROMOTE)
+    _stored(p, GPU, C0, Cause.STORE)
+    assert p.pressure(0.0) == [Evict(POOL, A0, GPU, Reason.CLEAN)]  # cpu holds it
+    p.dropped(GPU, A0)  # the gpu worker evicts it, and reports
+    evicted = Removed(POOL, A0, GPU, Cause.EVICT, Reason.CLEAN)
+    assert p.on_fact(evicted) == []
+    _stored(p, GPU, A0, Cause.PROMOTE)  # read again, promoted back; a reader pins c0
+    assert gpu.pin(C0)
+    assert p.pressure(1.0) == [Evict(POOL, A0, GPU, Reason.CLEAN)]  # chosen again; this evict is lost
+    assert p.on_fact(evicted) == []  # and the old fact comes again (XAUTOCLAIM)
+    p.pressure(1.0 + T)
+    assert not gpu.get(A0).leaving and gpu.get(A0).pins == 0 and gpu.leaving == 0, "the lost evict's mark never expires"
+
+
+def test_a_demote_fact_without_its_record_leaves_other_marks_alone() -> None:
+    """Found by the machine: a demote fact delivered again, its record settled, was credited to
+    whatever mark the block carried, here the evict of its gpu copy: a second delivery changed
+    the state."""
+    p = _placement(gpu=2, cpu=3)
+    gpu, cpu = p.tiers[GPU], p.tiers[CPU]
+    for k in (A0, C0, D0):
+        _stored(p, CPU, k, Cause.STORE)
+    assert [(type(c), c.key, c.dst) for c in p.pressure(0.0)] == [(Demote, A0, REDIS), (Demote, C0, REDIS)]
+    _stored(p, GPU, A0, Cause.PROMOTE)  # read meanwhile, promoted to gpu: both copies are here
+    _stored(p, GPU, D0, Cause.PROMOTE)
+    assert p.pressure(0.0) == [Evict(POOL, A0, GPU, Reason.CLEAN)]  # cpu holds it
+    failed = Removed(POOL, A0, REDIS, Cause.DEMOTE, Failure.REDIS)
+    assert p.on_fact(failed) == [] and not cpu.get(A0).leaving  # the cpu copy stays
+    assert p.on_fact(failed) == [] and gpu.get(A0).leaving, "the gpu copy's evict was called off"
+    done = Stored(POOL, C0, None, REDIS, -1, Cause.DEMOTE)
+    assert p.on_fact(done) == [Evict(POOL, C0, CPU, Reason.DEMOTED)]
+    p.dropped(CPU, C0)
+    assert p.on_fact(done) == []
+
+
+def test_a_prefetch_calls_off_a_move_out_of_the_node() -> None:
+    """Found by the machine: a block chosen to leave cpu for Redis and prefetched before the
+    write-back finished was leased, then dropped from the node when the write-back completed."""
+    p = _placement(gpu=2, cpu=3)
+    cpu = p.tiers[CPU]
+    for k in (A0, C0, D0):
+        _stored(p, CPU, k, Cause.STORE)
+    assert p.in_redis(A0, None)  # written through earlier
+    assert [(type(c), c.key) for c in p.pressure(0.0)] == [(Evict, A0), (Demote, C0)]
+    assert p.on_prefetch([A0], None, 1.0) == [] and p.on_prefetch([C0], None, 1.0) == []  # here: leased
+    assert evict_verdict(p, CPU, A0, Reason.CLEAN) is Verdict.STALE, "the evict would drop a0 from the node"
+    assert _stored(p, REDIS, C0, Cause.DEMOTE) == [], "the write-back would drop c0 from the node"
+    assert not cpu.get(A0).leaving and not cpu.get(C0).leaving and cpu.leaving == 0
+    assert p.pressure(1.0) == []  # leased: not chosen again
+
+
+def test_a_late_promote_failure_keeps_the_lease_of_a_block_that_is_here() -> None:
+    """Found by the machine: a failed promote's fact, delivered again after the block had arrived
+    by a put and been prefetched (leased) anew, ended that lease: the block was shed unread."""
+    p = _placement(gpu=2, prefetch_to=GPU)
+    assert p.on_prefetch([A0], None, 0.0) == [Promote(POOL, A0, None, REDIS, GPU, -1, 0)]
+    failed = Removed(POOL, A0, GPU, Cause.PROMOTE, Failure.SOURCE_MISS)  # Redis did not have it
+    assert p.on_fact(failed) == []
+    assert p.admit([A0, C0], 1.0) == [GPU, GPU]
+    _stored(p, GPU, A0, Cause.STORE)
+    _stored(p, GPU, C0, Cause.STORE)
+    assert p.tiers[GPU].pin(C0)  # a reader holds c0
+    assert p.on_prefetch([A0], None, 1.0) == []  # here: leased
+    assert p.on_fact(failed) == []  # the old fact comes again
+    assert p.pressure(1.0) == [], "a0 is shed under its lease"

@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import (
-    IN_REDIS, NO_SLOT, DirectoryReader, DirectoryWriter, directory_bytes, directory_capacity,
+    IN_REDIS,
+    NO_SLOT,
+    DirectoryReader,
+    DirectoryWriter,
+    directory_bytes,
+    directory_capacity,
 )
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Flags, Kind, SlotTable, checksum, segment_bytes

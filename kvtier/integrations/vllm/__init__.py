@@ -1,1 +1,1 @@
-"""vLLM integrations: a v1 KV connector (connector.py) and a TieringOffloadingSpec secondary tier (secondary_tier.py)."""
+"""vLLM integrations: a v1 KV connector (connector.py), a TieringOffloadingSpec secondary tier (secondary_tier.py)."""

@@ -50,7 +50,7 @@ class KvtierConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "KvtierConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
         return self
@@ -62,7 +62,7 @@ class KvtierConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> KeyNamespace:
+def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KeyNamespace:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"kvtier's connector supports models with one KV-cache group, this one has {len(groups)}")
@@ -83,7 +83,7 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
 
 
 class KvtierConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(cfg.kv_connector_extra_config)

@@ -36,7 +36,7 @@ class ConnectorSettings:
     save_wait_s: float = 1.0  # how long a save may wait for staging slots the daemon is draining
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         errors: list[str] = []
         pool = extra.pop("pool", None)

@@ -39,9 +39,9 @@ Tier options (the other keys of that dict):
 Keys: tier_keys.py (vLLM's FileMapper namespace + SHA-256). Cross-node: a chunk stored on node A
 is found by node B's tier once it is in Redis; with the daemon's default write-back policy
 that is when A's cpu tier sheds it, with `[policy] redis_write = "write-through"` at once.
-Threads, deadlines and failure handling: tier_io.py. Every method here returns at once; none
-raises into vLLM after construction: failures are failed jobs or misses, counted (get_stats)
-and logged.
+Threads and health: tier_link.py; deadlines and failure handling: tier_io.py. Every method
+here returns at once; none raises into vLLM after construction: failures are failed jobs or
+misses, counted (get_stats) and logged.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class _Job:
 class _Lookups(AsyncLookupManager):
     """vLLM's async lookup machinery; its worker thread asks kvtier (shm, then Redis) per batch."""
 
-    def __init__(self, tier: "KvtierSecondaryTier") -> None:
+    def __init__(self, tier: KvtierSecondaryTier) -> None:
         super().__init__(tier_type=tier.tier_type)
         self._tier = tier
 
@@ -106,7 +106,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         pool: str | None = None,
@@ -121,7 +121,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         failed_key_ttl_s: float = 10.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not isinstance(pool, str) or not pool:
@@ -325,7 +325,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
                                                                 labelnames=("tier",))
                 for name in Counters.NAMES}
 
-    def get_stats(self) -> "OffloadingConnectorStats | None":
+    def get_stats(self) -> OffloadingConnectorStats | None:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         now = self.counters.snapshot()

@@ -1,8 +1,8 @@
-"""The kvtier side of the vLLM secondary tier: one event-loop thread that owns a kvtier Client.
+"""The kvtier side of the vLLM secondary tier: the store and load jobs vLLM's scheduler submits.
 
-vLLM calls a secondary tier on its scheduler thread and wants every call to return at once.
-`TierIO` runs kvtier's asyncio `Client` on a private loop thread and hands the scheduler
-`concurrent.futures.Future`s; the scheduler polls them (`done()`), it never waits on one.
+`TierIO` is a `TierLink` (tier_link.py: the private event-loop thread that owns the kvtier
+Client, its connection and health); its jobs run on that loop, and the scheduler polls their
+`concurrent.futures.Future`s (`done()`), it never waits on one.
 
 Contract:
 - Every job has a deadline. Its waits (staging room, residency after a put or a prefetch) end
@@ -14,42 +14,30 @@ Contract:
   verified the bytes it copied (seqlock, key, checksum). Anything else is a failed chunk, never
   wrong bytes.
 - A daemon that is down, a Redis error, a pool that no longer fits: failed chunks, a counter
-  and a rate-limited log line. A health task (every `health_interval_s`) notices a dead daemon
-  (its pid), follows a restart, and reconnects.
+  and a rate-limited log line. The link's health task notices a dead daemon (its pid), follows
+  a restart, and reconnects.
 - No vLLM import here: the adapter (secondary_tier.py) maps vLLM's types onto this.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import redis.exceptions
 import torch
 
 from kvtier.client import Client
-from kvtier.client.discovery import library_logger
-from kvtier.errors import DaemonUnavailable, KvtierError, UnknownPool
-from kvtier.integrations.vllm.tier_chunks import PoolMismatch, pool_help, runs
-from kvtier.integrations.vllm.tier_stats import Counters, LogThrottle
-from kvtier.processes import pid_alive
+from kvtier.errors import KvtierError
+from kvtier.integrations.vllm.tier_chunks import runs
+from kvtier.integrations.vllm.tier_link import DaemonDown, TierLink
 
 POLL_S = 0.001  # residency polls while a load waits for a prefetch
 STORE_POLL_S = 0.002  # ... and while a store waits for visibility or staging room
 REDIS_CHECK_S = 0.05  # ... and how often it asks Redis about the chunks not visible here
 GRACE_S = 2.0  # the hard guard past a job's deadline (copies in flight finish first)
-CLOSE_S = 5.0
-MISMATCH_RETRY_S = 5.0  # a daemon serving the pool at another size: look again this often
-
-
-class _Down(Exception):
-    """The daemon is not reachable right now (raised inside jobs, turned into failed chunks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,166 +47,7 @@ class Outcome:
     reason: str = ""  # why some chunk failed ("" when none did)
 
 
-class TierIO:
-    def __init__(self, rows: np.ndarray, runtime_dir: str | None, pool: str, *, staging_chunks: int = 32,
-                 connect_timeout_s: float = 5.0, health_interval_s: float = 0.25,
-                 counters: Counters | None = None) -> None:
-        self._rows = rows
-        self.chunk_bytes = int(rows.shape[1])
-        self.pool = pool
-        self._rdir = None if runtime_dir is None else Path(runtime_dir)
-        self._staging = staging_chunks
-        self._connect_timeout = connect_timeout_s
-        self._health_s = health_interval_s
-        self.counters = counters or Counters()
-        self.log = library_logger().bind(component="vllm_tier", pool=pool)
-        self.warn = LogThrottle(self.log)
-        self.up = False  # read by the scheduler thread; written by the loop thread only
-        self._client: Client | None = None
-        self._mismatch = ""
-        self._retry_at = 0.0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm-tier", daemon=True)
-        self._thread.start()
-        self._health: asyncio.Future | None = None
-        try:
-            self.call(self._reconnect(first=True), connect_timeout_s + CLOSE_S)
-        except BaseException:
-            self._stop_loop()
-            raise
-        self._health = asyncio.run_coroutine_threadsafe(self._health_loop(), self._loop)
-
-    # --- for the scheduler thread ------------------------------------------------------------
-
-    def submit(self, coro):
-        """Schedule a coroutine on the loop; returns a concurrent.futures.Future."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def call(self, coro, timeout: float):
-        fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except BaseException:
-            fut.cancel()
-            raise
-
-    def local_has(self, key: bytes) -> bool:
-        """Whether `key` is resident on this node, from the shared-memory directory, on the
-        caller's thread (no I/O). Reads only; any trouble (a restart remapping the pool right
-        now) answers False and leaves the question to `exists` on the loop."""
-        client = self._client
-        if not self.up or client is None:
-            return False
-        try:
-            p = client.pools.get(self.pool)
-            return p is not None and p.locate(key) is not None
-        except Exception:
-            return False
-
-    def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-        if self._health is not None:
-            self._health.cancel()
-        with contextlib.suppress(Exception):
-            self.call(self._drop_client(), CLOSE_S + 1)
-        self._stop_loop()
-        self._rows = None  # vLLM releases the primary memoryview next: hold no buffer export on it
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(CLOSE_S)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    # --- connection and health (loop thread) -------------------------------------------------
-
-    async def _reconnect(self, first: bool = False) -> None:
-        try:
-            client = await asyncio.wait_for(Client.connect(self._rdir, staging_blocks=self._staging),
-                                            self._connect_timeout)
-        except (DaemonUnavailable, OSError, TimeoutError, redis.exceptions.RedisError) as e:
-            self.up = False
-            if first:
-                self.log.warning("vllm_tier.daemon_unavailable", error=str(e),
-                                 detail="every lookup misses and every job fails until it is back")
-            return
-        try:
-            self._check_pool(client)
-        except PoolMismatch as e:
-            await self._close_quietly(client)
-            if first:
-                raise
-            if str(e) != self._mismatch:
-                self.log.error("vllm_tier.pool_mismatch", error=str(e))
-            self._mismatch = str(e)
-            self._retry_at = time.monotonic() + MISMATCH_RETRY_S  # mapping every pool is not free
-            self.up = False
-            return
-        old, self._client, self._mismatch = self._client, client, ""
-        self.up = True
-        self.log.info("vllm_tier.connected", node=client.node, daemon_pid=client.desc.get("pid"),
-                      chunk_bytes=self.chunk_bytes)
-        if old is not None:
-            await self._close_quietly(old)
-
-    def _check_pool(self, client: Client) -> None:
-        try:
-            p = client.pool(self.pool)
-        except UnknownPool as e:
-            raise PoolMismatch(f"kvtier pool {self.pool!r} is not served by the daemon ({e}). "
-                               + pool_help(self.pool, self.chunk_bytes)) from e
-        if p.block_bytes != self.chunk_bytes:
-            raise PoolMismatch(f"kvtier pool {self.pool!r} holds blocks of {p.block_bytes} bytes, but vLLM's "
-                               f"offload chunks are {self.chunk_bytes} bytes; they must be equal. "
-                               + pool_help(self.pool, self.chunk_bytes))
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._health_s)
-            try:
-                await self._check()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the health task must outlive any surprise
-                self.up = False
-                self.warn.warning("vllm_tier.health_check_failed", error=repr(e))
-
-    async def _check(self) -> None:
-        client = self._client
-        if client is not None and pid_alive(client.desc.get("pid")):
-            try:
-                self._check_pool(client)  # client.pool() follows a daemon restart (a new epoch)
-            except PoolMismatch as e:
-                if self.up:
-                    self.log.error("vllm_tier.pool_mismatch", error=str(e))
-                self.up = False
-                return
-            self.up = True
-            return
-        if self.up:
-            self.log.warning("vllm_tier.daemon_lost", pid=client.desc.get("pid") if client else None)
-        self.up = False
-        if time.monotonic() >= self._retry_at:
-            await self._reconnect()
-
-    async def _drop_client(self) -> None:
-        client, self._client, self.up = self._client, None, False
-        if client is not None:
-            await self._close_quietly(client)
-
-    async def _close_quietly(self, client: Client) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.close(), CLOSE_S)
-
-    def _require(self, current: Client | None = None) -> Client:
-        """The live client; with `current`, also that no reconnect replaced it (a job that
-        started on a client the health task has since closed gives up)."""
-        client = self._client
-        if not self.up or client is None or (current is not None and client is not current):
-            raise _Down("the kvtier daemon is not reachable")
-        return client
-
+class TierIO(TierLink):
     # --- jobs (loop thread) ------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -246,7 +75,7 @@ class TierIO:
         except TimeoutError:
             reason = "timeout"
             self.counters.add("timeouts")
-        except _Down as e:
+        except DaemonDown as e:
             reason = "daemon_unavailable"
             self.counters.add("daemon_unavailable")
             self.warn.warning("vllm_tier.daemon_unavailable", job=kind, error=str(e))
@@ -266,7 +95,7 @@ class TierIO:
         rows = torch.from_numpy(self._rows[first_chunk:first_chunk + n])
         return rows.view(p.dtype).reshape(n, *p.shape)
 
-    async def _store(self, keys, chunk_ids, deadline: float, ok: list[bool]) -> str:
+    async def _store(self, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float, ok: list[bool]) -> str:
         client = self._require()
         todo = []
         for i, k in enumerate(keys):
@@ -300,7 +129,7 @@ class TierIO:
             ok[i] = keys[i] in stored
         return ""
 
-    async def _load(self, keys, chunk_ids, deadline: float, ok: list[bool]) -> str:
+    async def _load(self, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float, ok: list[bool]) -> str:
         """Read what is resident here at once; ask the daemon to promote what only Redis holds,
         and read each of those as soon as it lands, until the deadline."""
         client = self._require()
@@ -347,7 +176,8 @@ class TierIO:
             reason = reason or "read_failed"
         return reason
 
-    async def _read_run(self, client: Client, keys, chunk_ids, run: list[int], ok: list[bool]) -> None:
+    async def _read_run(self, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int], run: list[int],
+                        ok: list[bool]) -> None:
         """Copy one run of consecutive chunks. `get` stops at the first chunk that fails
         verification (or was evicted meanwhile); carry on after it."""
         j = 0

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 DOMAIN = b"kvtier/vllm-tier/v1"
 
 
-def namespace_fields(spec: "OffloadingSpec", chunk_bytes: int, salt: str | None = None) -> dict:
+def namespace_fields(spec: OffloadingSpec, chunk_bytes: int, salt: str | None = None) -> dict:
     """Everything a chunk's bytes depend on besides its tokens, as a JSON-able dict.
 
     The scheduler-side tier sees whole chunk rows (every worker's pages side by side), so the

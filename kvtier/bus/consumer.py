@@ -1,14 +1,13 @@
-"""Redis Streams transport: a Publisher, and a consumer-group Consumer with at-least-once delivery.
+"""A consumer-group Consumer over Redis Streams, with at-least-once delivery.
 
-Wire form: each stream entry has one field, b"e", holding `codec.encode(Envelope)`.
-
-Consumer guarantees (DESIGN.md "Bus", reliability.md §1):
+Guarantees (DESIGN.md "Bus", reliability.md §1):
 - ack after the effect: a handled entry is XACKed only once its handler has returned;
 - at start, re-read this consumer's own pending history (read from id 0 until empty, the
   documented restart procedure), then XAUTOCLAIM entries that other consumers left idle;
   XAUTOCLAIM runs again every `claim_idle_ms`, which also retries this consumer's failed entries;
 - an entry that fails validation, or was delivered more than `max_deliveries` times, goes to the
-  dead-letter stream with its reason and is then acked; a trimmed entry (nil payload) is acked;
+  dead-letter stream with its reason and is then acked; a trimmed entry (nil payload) is acked
+  (bus/deadletter.py);
 - a lost group (NOGROUP: Redis restarted empty, stream deleted) is re-created with MKSTREAM;
 - connection trouble backs off with jitter, capped at about 1 s; it never spins.
 Handlers must be idempotent: delivery is at least once, never exactly once.
@@ -18,91 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
-from kvtier.bus.codec import NAME_RE, decode, encode
-from kvtier.core.events import Envelope, Event
+from kvtier.bus.cancel import raise_if_cancelling
+from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
+from kvtier.bus.publisher import FIELD, BusStats
+from kvtier.core.events import Envelope
 from kvtier.errors import MalformedEvent
 from kvtier.failpoints import Failpoints
 
-FIELD = b"e"
-REASON_MAX_DELIVERIES = "max deliveries exceeded"
-REASON_MISSING_FIELD = "missing field 'e'"
-REASON_EXTRA_FIELDS = "entry has fields besides the payload"
 CANCEL_FLUSH_TIMEOUT_S = 1.0  # bounded: a cancelled consumer must not hang on a dead Redis
 
-
-@dataclass(slots=True)
-class BusStats:
-    """Counters of one Publisher/Consumer (or several sharing it). Mutated in place, one loop."""
-
-    published: int = 0  # entries XADDed by a Publisher
-    delivered: int = 0  # handler invocations
-    acked: int = 0  # ids XACKed: handled, dead-lettered and nil entries
-    dead_lettered: int = 0
-    handler_errors: int = 0
-    reclaimed: int = 0  # pending entries re-delivered by the history re-read or XAUTOCLAIM
-    deleted_entries: int = 0  # pending ids whose payload was trimmed or deleted
-    redis_errors: int = 0
-    groups_created: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-class Publisher:
-    """Appends events to streams. Every envelope gets the next `seq` of this Publisher.
-
-    A seq is used up even when its XADD fails (the entry may have landed anyway), so seqs are
-    strictly increasing per (producer, epoch) but may have gaps. Errors reach the caller.
-    """
-
-    def __init__(
-        self, redis: redis.asyncio.Redis, producer: str, epoch: int, maxlen: int, stats: BusStats | None = None
-    ) -> None:
-        if not NAME_RE.fullmatch(producer) or epoch < 0 or maxlen < 1:
-            # Caught here, not by every consumer dead-lettering every event this producer sends.
-            raise ValueError(f"bad producer {producer!r} (must match {NAME_RE.pattern}), epoch or maxlen")
-        self._redis = redis
-        self._producer = producer
-        self._epoch = epoch
-        self._maxlen = maxlen
-        self._seq = 0
-        self.stats = stats if stats is not None else BusStats()
-
-    @property
-    def last_seq(self) -> int:
-        """The seq of the latest envelope built; 0 before the first."""
-        return self._seq
-
-    def _payload(self, event: Event) -> bytes:
-        self._seq += 1
-        return encode(Envelope(event=event, producer=self._producer, epoch=self._epoch, seq=self._seq))
-
-    async def publish(self, stream: str, event: Event) -> bytes:
-        fields = {FIELD: self._payload(event)}
-        entry_id = await self._redis.xadd(stream, fields, maxlen=self._maxlen, approximate=True)
-        self.stats.published += 1
-        return entry_id
-
-    async def publish_many(self, items: Sequence[tuple[str, Event]]) -> list[bytes]:
-        """All items in one round trip (a pipeline, not a transaction), in order."""
-        if not items:
-            return []
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for stream, event in items:
-                pipe.xadd(stream, {FIELD: self._payload(event)}, maxlen=self._maxlen, approximate=True)
-            ids = await pipe.execute()
-        self.stats.published += len(ids)
-        return ids
+Batch = list[tuple[str, list[Entry]]]  # (stream, entries) pairs, as read
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +43,6 @@ class Delivery:
     stream: str
     entry_id: bytes
     envelope: Envelope
-
-
-Entry = tuple[bytes | None, dict[bytes, bytes] | None]
-DeadLetter = tuple[str, bytes, str, bytes | None]  # stream, entry id, reason, raw payload
 
 
 class Consumer:
@@ -163,14 +92,13 @@ class Consumer:
         # lets a handler buffer its own output (commands, facts) and publish it in one round trip.
         self._after_batch = after_batch
         self._failpoints = failpoints or Failpoints()
-        self._dlq = dlq
         self._read_count = read_count
         self._block_ms = block_ms
         self._claim_idle_ms = claim_idle_ms
         self._max_deliveries = max_deliveries
-        self._dlq_maxlen = publisher_maxlen
         self.stats = stats
         self._log = log.bind(group=group, consumer=consumer)
+        self._settler = Settler(redis, group, dlq, publisher_maxlen, stats, self._log)
         self._stopping = False
         self._running = False
         self._groups_seen = False
@@ -193,6 +121,7 @@ class Consumer:
         self._log.info("bus.consumer_started", streams=list(self._streams))
         try:
             while not self._stopping:
+                raise_if_cancelling()  # a cancel redis-py swallowed (bus/cancel.py) still ends us
                 try:
                     if not recovered:
                         await self._ensure_groups()
@@ -249,13 +178,13 @@ class Consumer:
         for stream in self._streams:
             cursor = b"0"
             while not self._stopping:
-                reply = await self._redis.xreadgroup(
+                reply = cast(Batch, await self._redis.xreadgroup(
                     self._group, self._consumer, {stream: cursor}, count=self._read_count
-                )
+                ))  # fmt: skip
                 entries = reply[0][1] if reply else []
                 if not entries:
                     break
-                cursor = entries[-1][0]
+                cursor = cast(bytes, entries[-1][0])  # ids are never nil in a history read
                 self.stats.reclaimed += len(entries)
                 await self._handle([(stream, entries)], counted=True)
 
@@ -267,7 +196,7 @@ class Consumer:
                     stream, self._group, self._consumer, self._claim_idle_ms,
                     start_id=cursor, count=self._read_count,
                 )  # fmt: skip
-                cursor, entries = reply[0], reply[1]
+                cursor, entries = cast(bytes, reply[0]), cast(list[Entry], reply[1])
                 # Redis >= 7.0 drops ids whose payload is gone from the PEL itself and lists them
                 # third, so there is nothing left to ack for them.
                 deleted = reply[2] if len(reply) > 2 else []
@@ -282,20 +211,17 @@ class Consumer:
                     break
 
     async def _read_new(self) -> None:
-        reply = await self._redis.xreadgroup(
-            self._group,
-            self._consumer,
-            {s: ">" for s in self._streams},
-            count=self._read_count,
+        reply = cast(list[tuple[bytes, list[Entry]]], await self._redis.xreadgroup(
+            self._group, self._consumer, {s: ">" for s in self._streams}, count=self._read_count,
             block=self._block_ms,
-        )
+        ))  # fmt: skip
         if reply:
             batches = [(self._by_key.get(key, key.decode()), entries) for key, entries in reply]
             await self._handle(batches, counted=False)
 
     # --- one batch --------------------------------------------------------------------------
 
-    async def _handle(self, batches: list[tuple[str, list[Entry]]], *, counted: bool) -> None:
+    async def _handle(self, batches: Batch, *, counted: bool) -> None:
         """Run the handler over a batch, then dead-letter and ack in as few round trips as possible.
 
         `counted`: entries were delivered before (history, claim), so look up their delivery
@@ -330,12 +256,12 @@ class Consumer:
             if not effects_done:
                 acks = {}
             with contextlib.suppress(Exception):
-                await asyncio.shield(asyncio.wait_for(self._flush(acks, dead), CANCEL_FLUSH_TIMEOUT_S))
+                await asyncio.shield(asyncio.wait_for(self._settler.flush(acks, dead), CANCEL_FLUSH_TIMEOUT_S))
             raise
         handled, dead_count = sum(map(len, acks.values())), len(dead)
         if handled:
             self._failpoints.reached("after_xadd")
-        await self._flush(acks, dead)
+        await self._settler.flush(acks, dead)
         if failed is not None:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.
@@ -356,33 +282,23 @@ class Consumer:
             self._log.debug("bus.deleted_entry", stream=stream, id=entry_id)
             done.append(entry_id)
             return
-        raw = fields.get(FIELD)
+        delivered = None
         if counts is not None:
-            n = counts.get(entry_id)
-            if n is None:  # acked or claimed by someone else meanwhile: no longer ours
+            delivered = counts.get(entry_id)
+            if delivered is None:  # acked or claimed by someone else meanwhile: no longer ours
                 return
-            if n > self._max_deliveries:
-                dead.append((stream, entry_id, REASON_MAX_DELIVERIES, raw))
-                return
-        if raw is None:
-            dead.append((stream, entry_id, REASON_MISSING_FIELD, None))
-            return
-        if len(fields) != 1:  # kvtier writes exactly one field: anything else is not ours
-            dead.append((stream, entry_id, REASON_EXTRA_FIELDS, raw))
-            return
-        try:
-            envelope = decode(raw)
-        except MalformedEvent as e:
-            dead.append((stream, entry_id, e.reason, raw))
+        verdict = triage(fields, delivered, self._max_deliveries)
+        if isinstance(verdict, Rejected):
+            dead.append((stream, entry_id, verdict.reason, verdict.raw))
             return
         self.stats.delivered += 1
-        self._log.debug("bus.deliver", stream=stream, id=entry_id, type=envelope.event.TYPE)
+        self._log.debug("bus.deliver", stream=stream, id=entry_id, type=verdict.event.TYPE)
         try:
-            await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=envelope))
+            await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=verdict))
         except MalformedEvent as e:
             # Well-formed on the wire but meaningless here (an unknown pool, say): retrying
             # cannot help, so dead-letter it now with the handler's reason.
-            dead.append((stream, entry_id, e.reason, raw))
+            dead.append((stream, entry_id, e.reason, fields.get(FIELD)))
             return
         except Exception:
             # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
@@ -401,39 +317,5 @@ class Consumer:
                 pipe.xpending_range(
                     stream, self._group, min=entry_id, max=entry_id, count=1, consumername=self._consumer
                 )
-            replies = await pipe.execute()
+            replies = cast(list[list[dict[str, Any]]], await pipe.execute())
         return {r[0]["message_id"]: int(r[0]["times_delivered"]) for r in replies if r}
-
-    async def _flush(self, acks: dict[str, list[bytes]], dead: list[DeadLetter]) -> None:
-        if dead:
-            try:
-                await self._dead_letter(dead, acks)
-            except Exception:
-                await self._ack(acks)  # handled entries need not wait for the dlq to recover
-                raise
-        await self._ack(acks)
-
-    async def _dead_letter(self, dead: list[DeadLetter], acks: dict[str, list[bytes]]) -> None:
-        # Written before, and apart from, the XACKs: a pipeline runs every command even when one
-        # fails, so a failed dlq XADD followed by its XACK would lose the entry.
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for stream, entry_id, reason, raw in dead:
-                fields = {b"stream": stream, b"id": entry_id, b"reason": reason}
-                if raw is not None:
-                    fields[FIELD] = raw
-                pipe.xadd(self._dlq, fields, maxlen=self._dlq_maxlen, approximate=True)
-            await pipe.execute()
-        for stream, entry_id, reason, _ in dead:
-            self._log.warning("bus.dead_letter", stream=stream, id=entry_id, reason=reason)
-            acks.setdefault(stream, []).append(entry_id)
-        self.stats.dead_lettered += len(dead)
-
-    async def _ack(self, acks: dict[str, list[bytes]]) -> None:
-        todo = {stream: ids for stream, ids in acks.items() if ids}
-        if not todo:
-            return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for stream, ids in todo.items():
-                pipe.xack(stream, self._group, *ids)
-            await pipe.execute()
-        self.stats.acked += sum(map(len, todo.values()))

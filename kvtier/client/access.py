@@ -1,0 +1,61 @@
+"""Read reports: which blocks a client read, batched for a few milliseconds and sent to the
+daemon in one round trip. They only steer its LRU and promotions, so one that is lost costs
+accuracy, not data (counted in ClientStats.event_errors)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import redis.exceptions
+
+from kvtier.bus.publisher import Publisher
+from kvtier.client.results import ClientStats
+from kvtier.core.events import Access
+from kvtier.keys import BlockKey
+from kvtier.logs import Log
+
+ACCESS_FLUSH_S = 0.02
+
+
+class AccessReports:
+    """The client's pending read reports, per pool, and the task that sends them."""
+
+    def __init__(self, publisher: Publisher, stream: str, stats: ClientStats, log: Log) -> None:
+        self._publisher = publisher
+        self._stream = stream
+        self._stats = stats
+        self._log = log
+        self._access: dict[str, tuple[list[BlockKey], list[int]]] = {}
+        self._flusher: asyncio.Task[None] | None = None
+
+    def note(self, pool: str, keys: Sequence[BlockKey], missed: int) -> None:
+        got, miss = self._access.setdefault(pool, ([], [0]))
+        got.extend(keys)
+        miss[0] += missed
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
+        await self.flush()
+
+    async def flush(self) -> None:
+        batches, self._access = self._access, {}
+        items = [(self._stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
+                 if keys or miss[0]]
+        if not items:
+            return
+        try:
+            await self._publisher.publish_many(items)
+        except redis.exceptions.RedisError as e:
+            # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
+            self._stats.event_errors += 1
+            self._log.warning("client.access_report_failed", error=str(e))
+
+    async def close(self) -> None:
+        """Send what is pending. Let an in-flight report finish rather than cancel it half-sent."""
+        if self._flusher is not None and not self._flusher.done():
+            await asyncio.wait([self._flusher], timeout=2.0)
+            self._flusher.cancel()
+        await self.flush()

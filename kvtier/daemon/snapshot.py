@@ -1,0 +1,36 @@
+"""One pool's figures for stats.json and the metrics endpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.core.events import Tier
+from kvtier.tiers.pool import PoolRuntime
+
+
+def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
+    tiers = {}
+    for t in Tier:
+        idx = rt.placement.tiers[t]
+        c = rt.counters.tiers[t.label]
+        # Redis: blocks this daemon wrote and has not deleted (TTL expiry and other nodes'
+        # writes are not seen); local tiers: blocks resident now.
+        blocks = max(0, c.stored + c.demoted_in + c.copied_in - c.evicted) if t == Tier.REDIS else idx.used
+        tiers[t.label] = {
+            "blocks": blocks,
+            "capacity": idx.capacity,
+            "bytes": blocks * rt.layout.block_bytes,
+            "capacity_bytes": None if idx.capacity is None else idx.capacity * rt.layout.block_bytes,
+            "incoming": rt.placement.incoming(t) if t != Tier.REDIS else 0,
+            **{k: getattr(c, k) for k in c.__slots__},
+        }
+    return {
+        "block_bytes": rt.layout.block_bytes,
+        "puts": rt.counters.puts,
+        "puts_dropped": rt.counters.puts_dropped,
+        "hits": rt.counters.hits,
+        "misses": rt.counters.misses,
+        "redis_corrupt": rt.redis.stats.corrupt,
+        "redis_errors": rt.redis.stats.errors,
+        "tiers": tiers,
+    }

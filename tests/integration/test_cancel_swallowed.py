@@ -1,0 +1,41 @@
+"""A cancel that redis-py swallows (Python 3.11 wait_for, see kvtier/bus/cancel.py) still stops
+the daemon's stream sampler: before the fix about a third of these stops left it running."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import structlog
+from structlog.testing import capture_logs
+
+from kvtier.bus.connect import make_redis
+from kvtier.daemon.chores import Chores
+from kvtier.daemon.sampler import sample_streams
+
+STREAMS = [f"kvtier:{{cancel}}:s{i}" for i in range(6)]
+
+
+async def test_the_stream_sampler_ends_at_every_cancel_point(redis_url: str) -> None:
+    bus = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=2)
+    log = structlog.get_logger()
+    rng = random.Random(12)
+    left_running = 0
+    try:
+        with capture_logs() as logs:
+            for _ in range(60):
+                chores = Chores(log, stop_s=0.5)
+                chores.start("stream-sampler", sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, log))
+                for _ in range(rng.randrange(1, 200)):  # a random point in the pipeline's round trip
+                    await asyncio.sleep(0)
+                await chores.aclose()
+                [task] = chores.tasks
+                if not task.done():
+                    left_running += 1
+                    while not task.done():  # a cancel can be lost again: repeat until it takes
+                        task.cancel()
+                        await asyncio.wait([task], timeout=0.1)
+    finally:
+        await bus.aclose()
+    assert left_running == 0
+    assert not [e for e in logs if e["event"] == "daemon.chores_stuck"]

@@ -1,0 +1,123 @@
+"""The daemon's lifecycle in the test's own event loop: startup, serve, shutdown through the stop
+event, and a startup that fails halfway. No subprocess, so what the teardown left is seen directly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvtier.config import load_config
+from kvtier.daemon.app import Daemon
+from kvtier.daemon.node import node_lock
+from kvtier.errors import KvtierError
+from kvtier.runtime import DESCRIPTOR
+from tests.support.daemon_proc import POOL_TOML, write_config
+from tests.support.redis_proc import RedisProcess
+from tests.support.waiting import async_wait_until
+
+pytestmark = pytest.mark.integration
+
+CHORES = {"stats", "reaper", "loop-lag", "stream-sampler"}
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A server of this module's own, so its client count is the daemon's connections alone."""
+    server = RedisProcess.spawn(tmp_path_factory.mktemp("redis-inproc"))
+    try:
+        yield server
+    finally:
+        server.stop(kill=True)
+
+
+def redis_clients(server: RedisProcess) -> int:
+    """Connections to the server other than the one asking."""
+    c = server.client()
+    try:
+        return len(c.client_list()) - 1
+    finally:
+        c.close()
+
+
+def segments(node: str) -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"kvtier.{node}.")}
+
+
+def lock_is_free(node: str) -> bool:
+    try:
+        with node_lock(node):
+            return True
+    except KvtierError:
+        return False
+
+
+def chore_tasks() -> set[asyncio.Task[object]]:
+    return {t for t in asyncio.all_tasks() if t.get_name() in CHORES}
+
+
+async def test_started_in_the_loop_and_stopped_by_the_event_leaves_nothing_behind(tmp_path, own_redis) -> None:
+    from tests.support.workload import put_get_roundtrip
+
+    node = f"inproc-{uuid.uuid4().hex[:8]}"
+    cfg = load_config(write_config(tmp_path, node=node, redis_url=own_redis.url), environ={})
+    before = chore_tasks()
+    with capture_logs() as logs:
+        daemon = Daemon(cfg, environ={})
+        stop = asyncio.Event()
+        task = asyncio.create_task(daemon.run(stop))
+        await async_wait_until(lambda: daemon.ready.is_set() or task.done(), timeout=30, message="daemon ready")
+        assert not task.done(), task.exception()
+        assert (daemon.runtime_dir / DESCRIPTOR).exists()
+        assert {f"kvtier.{node}.t.{part}" for part in ("dir", "gpu", "cpu")} <= segments(node)
+        assert not lock_is_free(node)
+        await put_get_roundtrip(daemon.runtime_dir)
+        chores = chore_tasks() - before
+        assert {t.get_name() for t in chores} == CHORES
+
+        stop.set()
+        async with asyncio.timeout(15):
+            await task
+    assert not (daemon.runtime_dir / DESCRIPTOR).exists(), "the descriptor outlived the daemon"
+    assert segments(node) == set(), "segments left in /dev/shm"
+    assert lock_is_free(node)
+    assert all(t.done() for t in chores), f"chores still running: {[t for t in chores if not t.done()]}"
+    events = [e["event"] for e in logs]
+    assert "daemon.chores_stuck" not in events
+    assert events[-1] == "daemon.stopped"
+    await async_wait_until(lambda: redis_clients(own_redis) == 0, timeout=10, message="redis clients closed")
+
+
+async def test_a_startup_that_fails_halfway_releases_what_it_had_acquired(tmp_path, own_redis) -> None:
+    """Pool "a" opens (its segments, the Redis clients, the lock are all held), then pool "b"
+    finds a squatter's file under its directory segment's name: the start fails, and everything
+    acquired before is released; the squatter's file is left as it was."""
+    node = f"inproc-bad-{uuid.uuid4().hex[:8]}"
+    pools = POOL_TOML.format(name="a", gpu=4, cpu=8) + POOL_TOML.format(name="b", gpu=4, cpu=8)
+    cfg = load_config(write_config(tmp_path, node=node, redis_url=own_redis.url, pools_toml=pools), environ={})
+    squatter = Path("/dev/shm") / f"kvtier.{node}.b.dir"
+    squatter.write_bytes(b"\0" * 65536)
+    try:
+        if os.geteuid() == 0:
+            os.chown(squatter, 65534, 65534)  # root runs the suite: a segment owned by "nobody"
+        else:
+            squatter.chmod(0o666)  # one's own, but writable by anyone: refused just the same
+        before = chore_tasks()
+        daemon = Daemon(cfg, environ={})
+        with pytest.raises(Exception, match="refusing"):
+            await daemon.run(asyncio.Event())
+        assert "a" in daemon.pools, "the failure came before pool a: not halfway"
+        assert segments(node) == {squatter.name}, "the failed start leaked segments"
+        assert squatter.read_bytes() == b"\0" * 65536
+        assert not (daemon.runtime_dir / DESCRIPTOR).exists()
+        assert lock_is_free(node)
+        assert chore_tasks() == before
+        await async_wait_until(lambda: redis_clients(own_redis) == 0, timeout=10, message="redis clients closed")
+        await daemon.shutdown()  # nothing left to release: a no-op
+    finally:
+        squatter.unlink(missing_ok=True)
