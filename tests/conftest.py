@@ -13,11 +13,8 @@ from tests.support.redis_proc import RedisProcess
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     """A redis-server private to this test session, on a unix socket; killed at session end."""
-    server = RedisProcess.spawn(tmp_path_factory.mktemp("redis"))
-    try:
+    with RedisProcess.serving(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop(kill=True)
 
 
 @pytest.fixture

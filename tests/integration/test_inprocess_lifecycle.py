@@ -4,7 +4,6 @@ event, and a startup that fails halfway. No subprocess, so what the teardown lef
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from kvtier.errors import KvtierError
 from kvtier.runtime import DESCRIPTOR
 from tests.support.daemon_proc import POOL_TOML, write_config
 from tests.support.redis_proc import RedisProcess
+from tests.support.squatter import SQUAT_BYTES, squatter
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
@@ -29,11 +29,8 @@ CHORES = {"stats", "reaper", "loop-lag", "stream-sampler"}
 @pytest.fixture(scope="module")
 def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     """A server of this module's own, so its client count is the daemon's connections alone."""
-    server = RedisProcess.spawn(tmp_path_factory.mktemp("redis-inproc"))
-    try:
+    with RedisProcess.serving(tmp_path_factory.mktemp("redis-inproc")) as server:
         yield server
-    finally:
-        server.stop(kill=True)
 
 
 def redis_clients(server: RedisProcess) -> int:
@@ -100,24 +97,17 @@ async def test_a_startup_that_fails_halfway_releases_what_it_had_acquired(tmp_pa
     node = f"inproc-bad-{uuid.uuid4().hex[:8]}"
     pools = POOL_TOML.format(name="a", gpu=4, cpu=8) + POOL_TOML.format(name="b", gpu=4, cpu=8)
     cfg = load_config(write_config(tmp_path, node=node, redis_url=own_redis.url, pools_toml=pools), environ={})
-    squatter = Path("/dev/shm") / f"kvtier.{node}.b.dir"
-    squatter.write_bytes(b"\0" * 65536)
-    try:
-        if os.geteuid() == 0:
-            os.chown(squatter, 65534, 65534)  # root runs the suite: a segment owned by "nobody"
-        else:
-            squatter.chmod(0o666)  # one's own, but writable by anyone: refused just the same
+    squat = Path("/dev/shm") / f"kvtier.{node}.b.dir"
+    with squatter(squat):
         before = chore_tasks()
         daemon = Daemon(cfg, environ={})
         with pytest.raises(Exception, match="refusing"):
             await daemon.run(asyncio.Event())
         assert "a" in daemon.pools, "the failure came before pool a: not halfway"
-        assert segments(node) == {squatter.name}, "the failed start leaked segments"
-        assert squatter.read_bytes() == b"\0" * 65536
+        assert segments(node) == {squat.name}, "the failed start leaked segments"
+        assert squat.read_bytes() == SQUAT_BYTES
         assert not (daemon.runtime_dir / DESCRIPTOR).exists()
         assert lock_is_free(node)
         assert chore_tasks() == before
         await async_wait_until(lambda: redis_clients(own_redis) == 0, timeout=10, message="redis clients closed")
         await daemon.shutdown()  # nothing left to release: a no-op
-    finally:
-        squatter.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.runtime import DESCRIPTOR
+from tests.support.squatter import SQUAT_BYTES, squatter
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -144,22 +145,15 @@ def test_a_squatter_segment_under_our_name_is_refused_never_attached(tmp_path, r
 
     cfg = write_config(tmp_path, node=f"squat-{uuid.uuid4().hex[:8]}", redis_url=redis_url)
     path = Path("/dev/shm") / f"kvtier.{cfg.stem}.t.{part}"
-    path.write_bytes(b"\0" * 65536)
-    try:
-        if os.geteuid() == 0:
-            os.chown(path, 65534, 65534)  # root runs the suite: a segment owned by "nobody"
-        else:
-            path.chmod(0o666)  # one's own, but writable by anyone: refused just the same
+    with squatter(path):
         d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start(wait_ready=False)
         wait_until(lambda: d.proc.poll() is not None, timeout=30, message="daemon exits")
         assert d.proc.returncode == 1
         assert "refusing" in d.log_tail(), d.log_tail()
-        assert path.exists() and path.read_bytes() == b"\0" * 65536, "the squatter's file was touched"
+        assert path.exists() and path.read_bytes() == SQUAT_BYTES, "the squatter's file was touched"
         left = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"kvtier.{cfg.stem}.")}
         assert left == {path.name}, f"the failed start leaked {left - {path.name}}"
         d.kill()
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def test_watchdog_pings_stop_while_the_event_loop_is_blocked(tmp_path, redis_url):

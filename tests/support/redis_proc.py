@@ -10,6 +10,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -43,6 +45,16 @@ class RedisProcess:
         server = cls(directory)
         server.start()
         return server
+
+    @classmethod
+    @contextmanager
+    def serving(cls, tmp_dir: Path | str) -> Iterator[RedisProcess]:
+        """spawn(tmp_dir), killed on the way out (for fixtures)."""
+        server = cls.spawn(tmp_dir)
+        try:
+            yield server
+        finally:
+            server.stop(kill=True)
 
     @property
     def running(self) -> bool:

@@ -61,11 +61,8 @@ def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 @pytest.fixture(scope="module")
 def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     """A redis-server of this module's own (fault tests stop theirs)."""
-    server = RedisProcess.spawn(tmp_path_factory.mktemp("redis"))
-    try:
+    with RedisProcess.serving(tmp_path_factory.mktemp("redis")) as server:
         yield server
-    finally:
-        server.stop(kill=True)
 
 
 @pytest.fixture(scope="module")
