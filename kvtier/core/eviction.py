@@ -29,9 +29,10 @@ class Verdict(enum.Enum):
     DROP = "drop"  # safe: a lower tier holds it, or the reason is a documented drop
     ASK_REDIS = "ask_redis"  # safe only if Redis still holds it (it may have expired it since)
     ONLY_COPY = "only_copy"  # no lower tier holds it: refused rather than lost
+    REUSED = "reused"  # a frequency-filter drop of a block read often enough since: refused
 
 
-REFUSED = frozenset({Verdict.BUSY, Verdict.ONLY_COPY})
+REFUSED = frozenset({Verdict.BUSY, Verdict.ONLY_COPY, Verdict.REUSED})
 
 
 def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdict:
@@ -47,6 +48,11 @@ def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdi
         return Verdict.BUSY
     if t == Tier.GPU and key in p.tiers[Tier.CPU]:
         return Verdict.DROP
+    if reason in DROP_REASONS and p.reused(key):
+        # Read `redis_admit_after_hits` times since it was chosen (or the evict is a late one,
+        # for an earlier mark): the filter's drop no longer applies. Refused outright, not asked
+        # of Redis (a miss there would let the reason drop it); chosen again, it is written back.
+        return Verdict.REUSED
     if key in p.tiers[Tier.REDIS]:
         return Verdict.ASK_REDIS
     return Verdict.DROP if reason in DROP_REASONS else Verdict.ONLY_COPY

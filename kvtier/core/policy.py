@@ -22,11 +22,10 @@ Rules (config `[policy]`):
 - A prefetch promotes the blocks that are not local from Redis into `prefetch_to` (cpu, or gpu
   while it has room). A block with no free cpu slot yet waits (up to half the tier, for
   `prefetch_lease_s`) and is promoted as shedding frees room: a promote is sent only with a
-  slot for it. Prefetched blocks are leased for
-  `prefetch_lease_s`: shedding skips them until they are read or the lease runs out, and a
-  move out of a tier chosen before the prefetch is called off, so a prefetch into a full tier
-  is not undone before the client gets to read it. Leases cover at
-  most half the local slots, so prefetches cannot crowd out the blocks that are being read.
+  slot for it. Prefetched blocks are leased for `prefetch_lease_s`: shedding skips them until
+  they are read or the lease runs out, and a move out of a tier chosen before the prefetch is
+  called off, so a prefetch into a full tier is not undone before the client gets to read it.
+  Leases cover at most half the local slots, so prefetches cannot crowd out blocks being read.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
   Redis restart) cannot shrink a tier's room or pin a block for ever.
@@ -40,8 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.index import State, TierIndex
-from kvtier.core.knobs import PolicyKnobs as PolicyKnobs  # re-exported: the daemon builds them from here
-from kvtier.core.knobs import RedisWrite as RedisWrite
+from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.residency import LOCAL, Residency
 from kvtier.keys import BlockKey
 
@@ -125,8 +123,9 @@ class Placement(Residency):
                 out.append(Copy(self.pool, key, e.parent, Tier.GPU if g is not None else Tier.CPU, Tier.REDIS))
         return out
 
-    def _reused(self, key: BlockKey) -> bool:
-        """Whether Redis should admit this block (the frequency filter)."""
+    def reused(self, key: BlockKey) -> bool:
+        """Whether Redis should admit this block (the frequency filter): read often enough, or no
+        filter. The filter's drop (reason "unreused") is for the others only."""
         n = self.knobs.redis_admit_after_hits
         return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
 
@@ -309,7 +308,7 @@ class Placement(Residency):
                 dst = Tier.REDIS
             if key in self.tiers[dst]:
                 out.append(Evict(self.pool, key, t, Reason.CLEAN))
-            elif dst == Tier.REDIS and not self._reused(key):
+            elif dst == Tier.REDIS and not self.reused(key):
                 out.append(Evict(self.pool, key, t, Reason.UNREUSED))  # the frequency filter's drop
             else:
                 out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))

@@ -7,7 +7,8 @@ import os
 from kvtier.config import PolicyConfig, PoolConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
-from kvtier.core.policy import Placement, PolicyKnobs, RedisWrite
+from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.policy import Placement
 from kvtier.errors import SegmentError
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
-from kvtier.core.policy import Placement, PolicyKnobs
+from kvtier.core.knobs import PolicyKnobs
+from kvtier.core.policy import Placement
 from kvtier.keys import BlockKey
 
 POOL = "llama-8b"

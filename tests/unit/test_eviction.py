@@ -44,13 +44,16 @@ def test_a_child_arrived_since_the_choice_refuses_the_eviction() -> None:
 
 
 def test_late_duplicate_and_only_copy_commands() -> None:
-    p = placement()
+    p = placement(redis_admit_after_hits=2)
     assert evict_verdict(p, CPU, k(9), CLEAN) is Verdict.GONE
     put(p, CPU, [1])
     assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.STALE  # not chosen (any more)
     leaving(p, CPU, 1)
     assert evict_verdict(p, CPU, k(1), CLEAN) is Verdict.ONLY_COPY
     assert evict_verdict(p, CPU, k(1), UNREUSED) is Verdict.DROP  # the documented drop
+    p.tiers[CPU].touch(k(1))
+    p.tiers[CPU].touch(k(1))
+    assert evict_verdict(p, CPU, k(1), UNREUSED) is Verdict.REUSED  # but not once read twice
 
 
 def test_a_redis_copy_is_confirmed_before_the_last_local_copy_goes() -> None:

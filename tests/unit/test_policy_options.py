@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvtier.bus.codec import decode, encode
 from kvtier.config import load_config
 from kvtier.core.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
-from kvtier.core.policy import DROP_REASONS, RedisWrite
+from kvtier.core.knobs import RedisWrite
+from kvtier.core.policy import DROP_REASONS
 from tests.support.placement import NOW, POOL, k, placement, put
 
 THROUGH = RedisWrite.WRITE_THROUGH

@@ -27,7 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.eviction import REFUSED, ROOM_TRIES, Verdict, after_redis_check, evict_verdict, room_victim
 from kvtier.core.index import State, TierIndex
-from kvtier.core.policy import DROP_REASONS, Placement, PolicyKnobs, RedisWrite
+from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.policy import DROP_REASONS, Placement
 
 POOL = "p"
 GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
@@ -127,8 +128,11 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def observe(self, fact: Stored | Removed) -> None:
         """What a fact changes in the model besides the tiers, as on_fact does in the policy."""
-        if isinstance(fact, Removed) and fact.cause == Cause.PROMOTE and all(fact.key not in self.data[t] for t in LOCAL):
-            self.leases.pop(fact.key, None)  # the policy gives up the lease of what never came
+        # The policy gives up the lease of what never came, not of a block that is here (a late
+        # failure must not end the lease of a newer prefetch).
+        here = any(fact.key in self.data[t] for t in LOCAL)
+        if isinstance(fact, Removed) and fact.cause == Cause.PROMOTE and not here:
+            self.leases.pop(fact.key, None)
 
     def apply(self, cmd) -> list[Stored | Removed]:
         """One command, as TierWorker.handle: the facts it reports, in order."""
@@ -473,8 +477,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
 
 TestPolicyState = PolicyMachine.TestCase
-import os
-TestPolicyState.settings = settings(max_examples=int(os.environ.get("PS_EX", "150")), database=None, stateful_step_count=40, deadline=None)
+TestPolicyState.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
 
 # --- what the machine found, as small cases -----------------------------------------------------
@@ -558,7 +561,7 @@ def test_a_redis_write_back_completes_the_cpu_copy() -> None:
 def test_a_late_eviction_fact_leaves_a_new_mark_free_to_expire() -> None:
     """Found by the machine: a redelivered removed(evict) fact for a block that came back and was
     chosen again took the new mark's give-up record, so the mark (and its pin) stayed for ever."""
-    p = _placement(gpu=2, cpu=3)
+    p = _placement(gpu=2, cpu=3, low_watermark=0.6)
     gpu = p.tiers[GPU]
     _stored(p, CPU, A0, Cause.STORE)
     _stored(p, GPU, A0, Cause.PROMOTE)
@@ -571,15 +574,15 @@ def test_a_late_eviction_fact_leaves_a_new_mark_free_to_expire() -> None:
     assert gpu.pin(C0)
     assert p.pressure(1.0) == [Evict(POOL, A0, GPU, Reason.CLEAN)]  # chosen again; this evict is lost
     assert p.on_fact(evicted) == []  # and the old fact comes again (XAUTOCLAIM)
-    p.pressure(1.0 + T)
-    assert not gpu.get(A0).leaving and gpu.get(A0).pins == 0 and gpu.leaving == 0, "the lost evict's mark never expires"
+    assert p.pressure(1.0 + T) == [Evict(POOL, A0, GPU, Reason.CLEAN)], "the lost evict's mark never expires"
+    assert gpu.get(A0).pins == 1 and gpu.leaving == 1  # marked once, afresh
 
 
 def test_a_demote_fact_without_its_record_leaves_other_marks_alone() -> None:
     """Found by the machine: a demote fact delivered again, its record settled, was credited to
     whatever mark the block carried, here the evict of its gpu copy: a second delivery changed
     the state."""
-    p = _placement(gpu=2, cpu=3)
+    p = _placement(gpu=2, cpu=3, low_watermark=0.6)
     gpu, cpu = p.tiers[GPU], p.tiers[CPU]
     for k in (A0, C0, D0):
         _stored(p, CPU, k, Cause.STORE)
@@ -599,7 +602,7 @@ def test_a_demote_fact_without_its_record_leaves_other_marks_alone() -> None:
 def test_a_prefetch_calls_off_a_move_out_of_the_node() -> None:
     """Found by the machine: a block chosen to leave cpu for Redis and prefetched before the
     write-back finished was leased, then dropped from the node when the write-back completed."""
-    p = _placement(gpu=2, cpu=3)
+    p = _placement(gpu=2, cpu=3, low_watermark=0.6)
     cpu = p.tiers[CPU]
     for k in (A0, C0, D0):
         _stored(p, CPU, k, Cause.STORE)
@@ -609,7 +612,7 @@ def test_a_prefetch_calls_off_a_move_out_of_the_node() -> None:
     assert evict_verdict(p, CPU, A0, Reason.CLEAN) is Verdict.STALE, "the evict would drop a0 from the node"
     assert _stored(p, REDIS, C0, Cause.DEMOTE) == [], "the write-back would drop c0 from the node"
     assert not cpu.get(A0).leaving and not cpu.get(C0).leaving and cpu.leaving == 0
-    assert p.pressure(1.0) == []  # leased: not chosen again
+    assert [c.key for c in p.pressure(1.0)] == [D0]  # cpu still sheds, but not the leased blocks
 
 
 def test_a_late_promote_failure_keeps_the_lease_of_a_block_that_is_here() -> None:
@@ -626,3 +629,19 @@ def test_a_late_promote_failure_keeps_the_lease_of_a_block_that_is_here() -> Non
     assert p.on_prefetch([A0], None, 1.0) == []  # here: leased
     assert p.on_fact(failed) == []  # the old fact comes again
     assert p.pressure(1.0) == [], "a0 is shed under its lease"
+
+
+def test_an_unreused_drop_is_refused_for_a_block_read_since() -> None:
+    """Found by the machine: an `unreused` evict carried out after the block had been read
+    `redis_admit_after_hits` times (here a redelivered one, acting on a newer mark) dropped a
+    block the frequency filter admits to Redis."""
+    p = _placement(gpu=2, cpu=1, low_watermark=0.6, redis_admit_after_hits=2)
+    _stored(p, CPU, D0, Cause.STORE)  # cpu full: gpu sheds straight to Redis
+    for k in (A0, C0):
+        _stored(p, GPU, k, Cause.STORE)
+    assert Evict(POOL, A0, GPU, Reason.UNREUSED) in p.pressure(0.0)  # never read: the filter's drop
+    p.on_access([A0, A0], 1.0)  # read twice before the gpu worker acts
+    assert evict_verdict(p, GPU, A0, Reason.UNREUSED) is Verdict.REUSED, "drops a block read twice"
+    assert p.in_redis(A0, None)  # believed in Redis: still refused outright, not asked of Redis
+    assert evict_verdict(p, GPU, A0, Reason.UNREUSED) is Verdict.REUSED
+    assert evict_verdict(p, GPU, C0, Reason.UNREUSED) is Verdict.STALE  # not chosen
