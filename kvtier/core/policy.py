@@ -16,7 +16,7 @@ Rules (config `[policy]`):
   protected parents, and waiting for it would freeze both tiers.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
 - Redis writes are write-back (when cpu sheds a block) or write-through (a `copy` as soon as a
-  block is stored locally), per `redis_write`. With `redis_admit_after_hits` = N > 0 only blocks
+  block is stored locally; core/write_through.py), per `redis_write`. With `redis_admit_after_hits` = N > 0 only blocks
   read N times go to Redis (write-through copies them on the N-th read); cpu drops the others
   when it sheds them, with the reason "unreused" (Dynamo's frequency filter).
 - A prefetch promotes the blocks that are not local from Redis into `prefetch_to` (cpu, or gpu
@@ -39,8 +39,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.index import State, TierIndex
-from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.knobs import PolicyKnobs
 from kvtier.core.residency import LOCAL, Residency
+from kvtier.core.write_through import copy_for_fact, copy_on_read
 from kvtier.keys import BlockKey
 
 # Evict reasons that may drop a block no lower tier holds: documented rules, not accidents.
@@ -116,11 +117,8 @@ class Placement(Residency):
                     and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
                 self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
-            e = g or c
-            if (e is not None and self.knobs.redis_write is RedisWrite.WRITE_THROUGH
-                    and self.knobs.redis_admit_after_hits and e.hits == self.knobs.redis_admit_after_hits
-                    and key not in self.tiers[Tier.REDIS]):
-                out.append(Copy(self.pool, key, e.parent, Tier.GPU if g is not None else Tier.CPU, Tier.REDIS))
+            if (copy := copy_on_read(self, self.knobs, self.pool, key, g, c)) is not None:
+                out.append(copy)
         return out
 
     def reused(self, key: BlockKey) -> bool:
@@ -218,11 +216,8 @@ class Placement(Residency):
                 self._leaving.pop((fact.tier, fact.key), None)
         if isinstance(fact, Removed) and cause == Cause.PROMOTE and not self._expected(fact.key):
             self._leases.pop(fact.key, None)  # nothing came: do not hold a lease slot for it
-        if (isinstance(fact, Stored) and fact.tier in LOCAL and cause == Cause.STORE
-                and self.knobs.redis_write is RedisWrite.WRITE_THROUGH and not self.knobs.redis_admit_after_hits
-                and fact.key not in self.tiers[Tier.REDIS]):
-            return [Copy(self.pool, fact.key, fact.parent, fact.tier, Tier.REDIS)]
-        return []
+        copy = copy_for_fact(self, self.knobs, self.pool, fact)
+        return [] if copy is None else [copy]
 
     def _expected(self, key: BlockKey) -> bool:
         """Whether `key` is here or on its way: a failed promote (perhaps a late one) leaves the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtier.bus.codec import decode, encode
 from kvtier.config import load_config
-from kvtier.core.events import Copy, Demote, Envelope, Evict, Promote, Stored, Tier
+from kvtier.core.events import Cause, Copy, Demote, Envelope, Evict, Failure, Promote, Removed, Stored, Tier
 from kvtier.core.knobs import RedisWrite
 from kvtier.core.policy import DROP_REASONS
 from tests.support.placement import NOW, POOL, k, placement, put
@@ -127,3 +127,19 @@ def test_a_prefetch_into_a_full_cpu_makes_way_with_blocks_redis_holds() -> None:
     sent = p.on_prefetch([k(3), k(4), k(5)], None, NOW)
     assert [c.key for c in sent] == [k(3), k(4)]
     assert p.on_prefetch([k(6)], None, NOW) == [], "no clean block left: it waits"
+
+
+def test_write_through_redoes_a_copy_whose_source_shed_the_block_first() -> None:
+    """The gpu tier demoted the block to cpu before the redis worker ran its copy from gpu: the
+    copy fails with SOURCE_MISS and is redone from cpu (it used to be lost, a hole in the chain)."""
+    p = placement(redis_write=THROUGH)
+    put(p, Tier.CPU, [1])
+    missed = Removed(POOL, k(1), Tier.REDIS, Cause.COPY, Failure.SOURCE_MISS)
+    assert p.on_fact(missed) == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    # Not retried: a Redis error (it would fail again at once during an outage; the cpu tier
+    # writes the block back when it sheds it), a block no local tier holds, one Redis holds.
+    assert p.on_fact(Removed(POOL, k(1), Tier.REDIS, Cause.COPY, Failure.REDIS)) == []
+    assert p.on_fact(Removed(POOL, k(2), Tier.REDIS, Cause.COPY, Failure.SOURCE_MISS)) == []
+    p.tiers[Tier.REDIS].add(k(1), None)
+    assert p.on_fact(missed) == []
+    assert placement().on_fact(missed) == [], "write-back: no copies to redo"
