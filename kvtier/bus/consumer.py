@@ -5,9 +5,9 @@ Guarantees (DESIGN.md "Bus", reliability.md §1):
 - at start, re-read this consumer's own pending history (read from id 0 until empty, the
   documented restart procedure), then XAUTOCLAIM entries that other consumers left idle;
   XAUTOCLAIM runs again every `claim_idle_ms`, which also retries this consumer's failed entries;
-- an entry that fails validation, or was delivered more than `max_deliveries` times, goes to the
-  dead-letter stream with its reason and is then acked; a trimmed entry (nil payload) is acked
-  (bus/deadletter.py);
+- an entry that fails validation, or was delivered more than `max_deliveries` times (not counting
+  deliveries that ended in a Redis outage: bus/outages.py), goes to the dead-letter stream with
+  its reason and is then acked; a trimmed entry (nil payload) is acked (bus/deadletter.py);
 - a lost group (NOGROUP: Redis restarted empty, stream deleted) is re-created with MKSTREAM;
 - connection trouble backs off with jitter, capped at about 1 s; it never spins.
 Handlers must be idempotent: delivery is at least once, never exactly once.
@@ -28,6 +28,7 @@ from redis.exceptions import ConnectionError, RedisError, ResponseError, Timeout
 
 from kvtier.bus.cancel import raise_if_cancelling
 from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
+from kvtier.bus.outages import OUTAGE_ERRORS, OutageLedger
 from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
 from kvtier.errors import MalformedEvent
@@ -99,6 +100,7 @@ class Consumer:
         self.stats = stats
         self._log = log.bind(group=group, consumer=consumer)
         self._settler = Settler(redis, group, dlq, publisher_maxlen, stats, self._log)
+        self.outages = OutageLedger()
         self._stopping = False
         self._running = False
         self._groups_seen = False
@@ -230,14 +232,19 @@ class Consumer:
         t0 = time.monotonic()
         acks: dict[str, list[bytes]] = {}
         dead: list[DeadLetter] = []
+        lost: set[tuple[str, bytes]] = set()  # deliveries that ended in an outage (bus/outages.py)
         effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
         failed: RedisError | None = None
         try:
-            for stream, entries in batches:
-                done = acks.setdefault(stream, [])
-                counts = await self._delivery_counts(stream, entries) if counted else None
-                for entry_id, fields in entries:
-                    await self._handle_one(stream, entry_id, fields, counts, done, dead)
+            try:
+                for stream, entries in batches:
+                    done = acks.setdefault(stream, [])
+                    counts = await self._delivery_counts(stream, entries) if counted else None
+                    for entry_id, fields in entries:
+                        await self._handle_one(stream, entry_id, fields, counts, done, dead, lost)
+            except OUTAGE_ERRORS:
+                lost.update(self._ids(batches))  # the whole batch comes back: not its entries' fault
+                raise
             if self._after_batch is not None:
                 try:
                     await self._after_batch()
@@ -261,7 +268,15 @@ class Consumer:
         handled, dead_count = sum(map(len, acks.values())), len(dead)
         if handled:
             self._failpoints.reached("after_xadd")
-        await self._settler.flush(acks, dead)
+        if isinstance(failed, OUTAGE_ERRORS):
+            lost.update(self._ids(batches))
+        try:
+            await self._settler.flush(acks, dead)
+        except OUTAGE_ERRORS:
+            lost.update(self._ids(batches))
+            raise
+        finally:  # once per delivery, whatever happened; acked and dead-lettered entries are settled
+            self.outages.record(lost, acks, dead)
         if failed is not None:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.
@@ -272,7 +287,7 @@ class Consumer:
 
     async def _handle_one(
         self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,
-        counts: dict[bytes, int] | None, done: list[bytes], dead: list[DeadLetter],
+        counts: dict[bytes, int] | None, done: list[bytes], dead: list[DeadLetter], lost: set[tuple[str, bytes]],
     ) -> None:  # fmt: skip
         if entry_id is None:  # Redis 6.2 XAUTOCLAIM reports a deleted entry as nil, id and all
             self.stats.deleted_entries += 1
@@ -287,6 +302,8 @@ class Consumer:
             delivered = counts.get(entry_id)
             if delivered is None:  # acked or claimed by someone else meanwhile: no longer ours
                 return
+        if delivered is not None:
+            delivered = self.outages.counted(stream, entry_id, delivered)
         verdict = triage(fields, delivered, self._max_deliveries)
         if isinstance(verdict, Rejected):
             dead.append((stream, entry_id, verdict.reason, verdict.raw))
@@ -300,12 +317,18 @@ class Consumer:
             # cannot help, so dead-letter it now with the handler's reason.
             dead.append((stream, entry_id, e.reason, fields.get(FIELD)))
             return
-        except Exception:
+        except Exception as e:
             # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
+            if isinstance(e, OUTAGE_ERRORS):
+                lost.add((stream, entry_id))
             self.stats.handler_errors += 1
             self._log.error("bus.handler_error", stream=stream, id=entry_id, exc_info=True)
             return
         done.append(entry_id)
+
+    @staticmethod
+    def _ids(batches: Batch) -> set[tuple[str, bytes]]:
+        return {(stream, i) for stream, entries in batches for i, _f in entries if i is not None}
 
     async def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
         """Delivery counts of this consumer's pending `entries`, one XPENDING per id, pipelined."""

@@ -193,6 +193,36 @@ async def test_failing_handler_is_redelivered_then_dead_lettered(aredis) -> None
     assert len(errors) == 3 and all(e.get("exc_info") for e in errors)
 
 
+@pytest.mark.integration
+async def test_an_outage_of_the_handlers_redis_is_not_held_against_its_entries(aredis, tmp_path) -> None:
+    """The handler writes to another Redis (the blocks Redis), which is down for more than
+    max_deliveries reclaim cycles: those failed deliveries say nothing about the entry, so it is
+    not dead-lettered, and is handled once that Redis is back (issue 13)."""
+    blocks_server = RedisProcess.spawn(tmp_path / "blocks")
+    blocks = make_redis(blocks_server.url, socket_timeout=0.5, connect_timeout=0.2, retries=0)
+    attempts: list[str] = []
+
+    async def handler(d: Delivery) -> None:
+        attempts.append(d.envelope.event.pool)
+        await blocks.set(f"done:{d.envelope.event.pool}", b"1")  # raises ConnectionError while down
+
+    try:
+        blocks_server.stop(kill=True)
+        await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("during-outage"))
+        consumer = make_consumer(aredis, handler, claim_idle_ms=50, max_deliveries=3)
+        async with running(consumer):
+            await async_wait_until(lambda: len(attempts) >= 3 * 3, timeout=30, message="delivered many times over")
+            assert consumer.stats.dead_lettered == 0 and await dlq_entries(aredis) == []
+            assert len(consumer.outages) == 1
+            blocks_server.start()
+            await async_wait_until(lambda: _zero(aredis), timeout=30, message="handled once the blocks Redis is back")
+        assert await blocks.get("done:during-outage") == b"1"
+        assert await dlq_entries(aredis) == [] and len(consumer.outages) == 0, "settled: nothing left to remember"
+    finally:
+        await blocks.aclose()
+        blocks_server.stop(kill=True)
+
+
 async def _deliver_without_ack(aredis, consumer_name: str, n: int) -> list[bytes]:
     """Simulate a consumer that read `n` entries and died before acking them."""
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
