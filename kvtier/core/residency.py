@@ -39,6 +39,11 @@ class Residency:
         """The reserved slot holds its block: visible, the most recently used."""
         return self.tiers[t].commit(key)
 
+    def restore(self, t: Tier, key: BlockKey, parent: BlockKey | None, slot: int) -> Entry | None:
+        """Warm restart: a verified block found in slot `slot` of local tier `t` (READY); None
+        if the slot or the key is taken already."""
+        return self.tiers[t].add(key, parent, slot)
+
     def unreserve(self, t: Tier, key: BlockKey) -> None:
         """The write into the reserved slot failed: free it."""
         self.tiers[t].remove(key)

@@ -103,14 +103,6 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         log.info("pool.gpu_ready", device=str(device) if device_type != "cpu" else "cpu", blocks=cfg.gpu_blocks,
                  block_bytes=bb)
 
-    table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
-    cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
-    if warm:
-        kept, discarded = cpu_tier.rebuild()
-        log.info("arena.reattached", segment=table.seg.name, kept=kept, discarded=discarded)
-    else:
-        log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
-
     knobs = PolicyKnobs(
         high_watermark=policy.high_watermark,
         low_watermark=policy.low_watermark,
@@ -121,6 +113,14 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         redis_admit_after_hits=policy.redis_admit_after_hits,
         prefetch_to=Tier[policy.prefetch_to.upper()],
     )
+    placement = Placement(cfg.name, indices, knobs)  # from here on the one owner of the indices
+    table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
+    cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
+    if warm:
+        kept, discarded = cpu_tier.rebuild(placement)
+        log.info("arena.reattached", segment=table.seg.name, kept=kept, discarded=discarded)
+    else:
+        log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
     return PoolRuntime(
         name=cfg.name,
         layout=layout,
@@ -128,7 +128,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         cpu=cpu_tier,
         redis=RedisBlocks(redis_blocks_client, cfg.name, layout.fingerprint, bb, ttl_s, log),
         directory=directory,
-        placement=Placement(cfg.name, indices, knobs),
+        placement=placement,
         counters=PoolCounters(),
         gpu_ipc=gpu_ipc,
     )

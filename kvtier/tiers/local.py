@@ -14,6 +14,7 @@ import numpy as np
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, State, TierIndex
+from kvtier.core.residency import Residency
 from kvtier.keys import BlockKey
 from kvtier.shm.directory import NO_SLOT, DirectoryWriter
 from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
@@ -22,7 +23,7 @@ from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
 class LocalTier:
     """The slots and payload of one local tier. The index is the pool's Placement's: read here,
     changed only through the Placement (the tier worker reserves, commits and drops there, and
-    does the slot I/O here), except by `rebuild`, which fills it before that Placement exists."""
+    does the slot I/O here; a warm restart restores there)."""
 
     def __init__(self, tier: Tier, table: SlotTable, index: TierIndex, directory: DirectoryWriter,
                  device_payload: Any = None) -> None:
@@ -109,9 +110,9 @@ class LocalTier:
         self.table.invalidate(e.slot)
         self.directory.set_slot(e.key, int(self.tier), NO_SLOT)
 
-    def rebuild(self) -> tuple[int, int]:
-        """Warm restart, before the pool's Placement is built: re-index every slot whose header
-        and checksum verify; wipe the rest. Returns (kept, discarded)."""
+    def rebuild(self, residency: Residency) -> tuple[int, int]:
+        """Warm restart: restore every slot whose header and checksum verify into the pool's
+        residency (the owner of the index); wipe the rest. Returns (kept, discarded)."""
         kept = discarded = 0
         for slot in range(self.table.n):
             h = self.table.header(slot)
@@ -122,7 +123,7 @@ class LocalTier:
                   and checksum(self.table.payload(slot)) == h.checksum
                   and self.index.get(BlockKey(h.key)) is None)
             parent = None if h.parent_key is None else BlockKey(h.parent_key)
-            if ok and self.index.add(BlockKey(h.key), parent, slot) is not None:
+            if ok and residency.restore(self.tier, BlockKey(h.key), parent, slot) is not None:
                 self.directory.set_slot(h.key, int(self.tier), slot)
                 kept += 1
             else:
