@@ -65,6 +65,10 @@ class RedisConfig:
     # A tier worker sends a batch's Redis reads and writes as pipelines of at most this many
     # payload bytes each.
     pipeline_bytes: int = setting(size(), 64 << 20)
+    # Re-replication (core/resync.py): every resync_interval_s, ask Redis about this many local
+    # blocks per pool and write again the ones it lost. 0 turns the sweep off.
+    resync_interval_s: float = setting(number(gt=0), 10.0)
+    resync_keys: int = setting(integer(0), 1024)
 
 
 @dataclass(frozen=True, slots=True)

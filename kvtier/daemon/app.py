@@ -33,6 +33,7 @@ from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.snapshot import pool_snapshot
@@ -149,7 +150,8 @@ class Daemon:
 
     def _build_consumers(self, bus: redis.asyncio.Redis, staging: StagingSegments) -> None:
         cfg = self.cfg
-        publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen, self.bus_stats)
+        publisher = self.publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen,
+                                               self.bus_stats)
         coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log)
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
@@ -178,6 +180,10 @@ class Daemon:
         names = [self.names.client, self.names.facts, *(self.names.tier(t) for t in Tier)]
         chores.start("stream-sampler", sample_streams(bus, names, GROUP, self.stream_info,
                                                       self.cfg.metrics.stream_sample_s, self.log))
+        if self.cfg.redis.resync_keys:
+            chores.start("redis-resync", resync_loop(self.pools, self.publisher, self.names.tier(Tier.REDIS),
+                                                     self.cfg.redis.resync_interval_s, self.cfg.redis.resync_keys,
+                                                     self.log))
         if self.notifier.watchdog_s:
             interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
             chores.every("watchdog", interval, lambda: self.notifier.notify("WATCHDOG=1"))

@@ -13,7 +13,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_tier_bytes_in_total, kvtier_tier_failed_transfers_total, kvtier_tier_refused_evictions_total,
   kvtier_tier_stale_commands_total, kvtier_tier_transfer_seconds (histogram)
   kvtier_pool_hits_total, kvtier_pool_misses_total, kvtier_pool_puts_total,
-  kvtier_pool_puts_dropped_total, kvtier_redis_errors_total, kvtier_redis_corrupt_total
+  kvtier_pool_puts_dropped_total, kvtier_redis_errors_total, kvtier_redis_corrupt_total,
+  kvtier_resync_missing_total, kvtier_resync_copies_total
   kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
   redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
   kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
@@ -49,6 +50,8 @@ _POOL_COUNTERS = {
     "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
     "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),
     "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
+    "resync_missing": ("kvtier_resync_missing", "Local blocks the re-replication sweep found missing in Redis"),
+    "resync_copies": ("kvtier_resync_copies", "Blocks the re-replication sweep wrote to Redis again"),
 }
 BUS_COUNTERS = ("published", "delivered", "acked", "dead_lettered", "handler_errors", "redis_errors", "reclaimed",
                 "deleted_entries")

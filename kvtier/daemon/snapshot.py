@@ -32,5 +32,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "misses": rt.counters.misses,
         "redis_corrupt": rt.redis.stats.corrupt,
         "redis_errors": rt.redis.stats.errors,
+        "resync_missing": rt.counters.resync_missing,
+        "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
     }

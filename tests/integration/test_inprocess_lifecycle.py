@@ -23,7 +23,7 @@ from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
 
-CHORES = {"stats", "reaper", "loop-lag", "stream-sampler"}
+CHORES = {"stats", "reaper", "loop-lag", "stream-sampler", "redis-resync"}
 
 
 @pytest.fixture(scope="module")

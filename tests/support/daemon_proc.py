@@ -20,7 +20,7 @@ cpu_blocks = {cpu}
 
 def write_config(directory: Path, *, node: str, redis_url: str, gpu: int = 8, cpu: int = 16,
                  pool: str = "t", persist_arena: bool = False, extra: str = "",
-                 pools_toml: str | None = None, bus_url: str | None = None) -> Path:
+                 pools_toml: str | None = None, bus_url: str | None = None, redis_extra: str = "") -> Path:
     """A daemon config for tests: small blocks (8 KiB), fast bus timings. `pools_toml` replaces
     the default test pool with the caller's [pools.*] tables (engine tests size their own)."""
     path = directory / f"{node}.toml"
@@ -37,6 +37,7 @@ level = "info"
 url = "{redis_url}"
 {f'bus_url = "{bus_url}"' if bus_url else ""}
 socket_timeout_s = 2.0
+{redis_extra}
 
 [bus]
 block_ms = 100
