@@ -242,8 +242,8 @@ class Consumer:
                     counts = await self._delivery_counts(stream, entries) if counted else None
                     for entry_id, fields in entries:
                         await self._handle_one(stream, entry_id, fields, counts, done, dead, lost)
-            except OUTAGE_ERRORS:
-                lost.update(self._ids(batches))  # the whole batch comes back: not its entries' fault
+            except OUTAGE_ERRORS:  # the whole batch comes back: not its entries' fault
+                self.outages.record(lost | self._ids(batches), {}, [])
                 raise
             if self._after_batch is not None:
                 try:
@@ -272,11 +272,10 @@ class Consumer:
             lost.update(self._ids(batches))
         try:
             await self._settler.flush(acks, dead)
-        except OUTAGE_ERRORS:
-            lost.update(self._ids(batches))
+        except OUTAGE_ERRORS:  # nothing was settled
+            self.outages.record(lost | self._ids(batches), {}, [])
             raise
-        finally:  # once per delivery, whatever happened; acked and dead-lettered entries are settled
-            self.outages.record(lost, acks, dead)
+        self.outages.record(lost, acks, dead)  # once per delivery; acked and dead-lettered ones are settled
         if failed is not None:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.

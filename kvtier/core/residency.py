@@ -9,7 +9,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from kvtier.core.events import Tier
-from kvtier.core.index import Entry, TierIndex
+from kvtier.core.index import Entry, State, TierIndex
 from kvtier.keys import BlockKey
 
 LOCAL = (Tier.GPU, Tier.CPU)
@@ -26,6 +26,13 @@ class Residency:
         for t in (Tier.GPU, Tier.CPU, Tier.REDIS):
             if key in self.tiers[t]:
                 return t
+        return None
+
+    def ready_in(self, key: BlockKey) -> tuple[Tier, Entry] | None:
+        """The highest local tier holding `key` as a visible block, with its entry."""
+        for t in LOCAL:
+            if (e := self.tiers[t].get(key)) is not None and e.state is State.READY:
+                return t, e
         return None
 
     # --- what the tier workers did ------------------------------------------------------------

@@ -14,23 +14,31 @@ A round costs one pipelined EXISTS of `n` keys, so the rate is bounded by `n` pe
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvtier.core.events import Copy, Tier
-from kvtier.core.index import State
-from kvtier.core.knobs import PolicyKnobs, RedisWrite
-from kvtier.core.residency import LOCAL, Residency
+from kvtier.core.knobs import RedisWrite
+from kvtier.core.policy import Placement
+from kvtier.core.residency import LOCAL
 from kvtier.keys import BlockKey
 
 
+class RedisRecord(Protocol):
+    """Where the answers are recorded: the Placement itself, or the daemon's PoolRuntime, which
+    also keeps the clients' directory flag in step."""
+
+    def in_redis(self, key: BlockKey, parent: BlockKey | None) -> object: ...
+    def not_in_redis(self, key: BlockKey) -> None: ...
+
+
 class ResyncSweep:
-    def __init__(self, res: Residency, knobs: PolicyKnobs, pool: str) -> None:
-        self._res = res
-        self._knobs = knobs
-        self._pool = pool
+    def __init__(self, placement: Placement, record: RedisRecord | None = None) -> None:
+        self._p = placement
+        self._record: RedisRecord = placement if record is None else record
         self._next = 0  # where the next round starts, in the order of `_local()`
 
     def _local(self) -> list[BlockKey]:
-        seen = dict.fromkeys(e.key for t in LOCAL for e in self._res.tiers[t].ready())
-        return list(seen)
+        return list(dict.fromkeys(e.key for t in LOCAL for e in self._p.tiers[t].ready()))
 
     def next_keys(self, n: int) -> list[BlockKey]:
         """The next `n` local blocks to check (fewer when the node holds fewer)."""
@@ -38,27 +46,24 @@ class ResyncSweep:
         if not local:
             return []
         start = self._next % len(local)
-        batch = (local[start:] + local[:start])[:n]
+        batch = [local[(start + i) % len(local)] for i in range(min(n, len(local)))]
         self._next = start + len(batch)
         return batch
 
     def answered(self, held: dict[BlockKey, bool]) -> list[Copy]:
         """Redis's answer for each key checked: record it, and the copies it calls for."""
-        res, knobs = self._res, self._knobs
+        p = self._p
+        through = p.knobs.redis_write is RedisWrite.WRITE_THROUGH
         out: list[Copy] = []
         for key, there in held.items():
-            src = next((t for t in LOCAL if (e := res.tiers[t].get(key)) is not None and e.state is State.READY),
-                       None)
-            if src is None:
+            found = p.ready_in(key)
+            if found is None:
                 continue  # gone from the node meanwhile: nothing to keep in step
-            entry = res.tiers[src].get(key)
-            assert entry is not None
+            src, entry = found
             if there:
-                res.in_redis(key, entry.parent)
+                self._record.in_redis(key, entry.parent)
                 continue
-            res.not_in_redis(key)
-            n = knobs.redis_admit_after_hits
-            reused = not n or any((e := res.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
-            if knobs.redis_write is RedisWrite.WRITE_THROUGH and reused:
-                out.append(Copy(self._pool, key, entry.parent, src, Tier.REDIS))
+            self._record.not_in_redis(key)
+            if through and p.reused(key):  # the frequency filter still applies
+                out.append(Copy(p.pool, key, entry.parent, src, Tier.REDIS))
         return out

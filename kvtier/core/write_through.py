@@ -11,7 +11,7 @@ and such a block is written back anyway when the cpu tier sheds it.
 from __future__ import annotations
 
 from kvtier.core.events import Cause, Copy, Failure, Removed, Stored, Tier
-from kvtier.core.index import Entry, State
+from kvtier.core.index import Entry
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.residency import LOCAL, Residency
 from kvtier.keys import BlockKey
@@ -28,10 +28,9 @@ def copy_for_fact(res: Residency, knobs: PolicyKnobs, pool: str, fact: Stored | 
             return Copy(pool, fact.key, fact.parent, fact.tier, Tier.REDIS)
         return None
     if fact.tier == Tier.REDIS and fact.cause == Cause.COPY and fact.why == Failure.SOURCE_MISS:
-        for t in LOCAL:
-            e = res.tiers[t].get(fact.key)
-            if e is not None and e.state is State.READY:
-                return Copy(pool, fact.key, e.parent, t, Tier.REDIS)
+        if (found := res.ready_in(fact.key)) is not None:
+            src, e = found
+            return Copy(pool, fact.key, e.parent, src, Tier.REDIS)
     return None
 
 

@@ -16,7 +16,7 @@ from kvtier.tiers.pool import PoolRuntime
 
 async def resync_loop(pools: dict[str, PoolRuntime], publisher: Publisher, stream: str, interval: float,
                       keys_per_round: int, log: Any) -> None:
-    sweeps = {name: ResyncSweep(rt.placement, rt.placement.knobs, name) for name, rt in pools.items()}
+    sweeps = {name: ResyncSweep(rt.placement, record=rt) for name, rt in pools.items()}
     while True:
         await asyncio.sleep(interval)
         for name, rt in pools.items():

@@ -13,17 +13,17 @@ def test_rounds_visit_every_local_block_in_turn() -> None:
     p = placement(gpu=2, cpu=4)
     put(p, Tier.GPU, [1, 2])
     put(p, Tier.CPU, [3, 4, 5])
-    sweep = ResyncSweep(p, p.knobs, POOL)
+    sweep = ResyncSweep(p)
     seen = sweep.next_keys(2) + sweep.next_keys(2) + sweep.next_keys(2)
     assert set(seen) == {k(i) for i in range(1, 6)}, "five blocks, three rounds of two: all of them"
-    assert ResyncSweep(placement(), p.knobs, POOL).next_keys(8) == []
+    assert ResyncSweep(placement()).next_keys(8) == []
 
 
 def test_a_block_redis_lost_is_forgotten_there_and_copied_again_under_write_through() -> None:
     p = placement(redis_write=RedisWrite.WRITE_THROUGH)
     put(p, Tier.CPU, [1, 2])
     p.in_redis(k(1), None)
-    sweep = ResyncSweep(p, p.knobs, POOL)
+    sweep = ResyncSweep(p)
     assert sweep.answered({k(1): False, k(2): True}) == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
     assert k(1) not in p.tiers[Tier.REDIS], "no longer believed to be in Redis"
     assert k(2) in p.tiers[Tier.REDIS], "held there: recorded (a warm restart knew nothing)"
@@ -34,10 +34,10 @@ def test_write_back_and_the_frequency_filter_copy_nothing_early() -> None:
     p = placement()  # write-back: the block goes to Redis when cpu sheds it
     put(p, Tier.CPU, [1])
     p.in_redis(k(1), None)
-    assert ResyncSweep(p, p.knobs, POOL).answered({k(1): False}) == []
+    assert ResyncSweep(p).answered({k(1): False}) == []
     assert k(1) not in p.tiers[Tier.REDIS], "so shedding writes it back instead of dropping it as clean"
     f = placement(redis_write=RedisWrite.WRITE_THROUGH, redis_admit_after_hits=2)
     put(f, Tier.CPU, [1, 2])
     f.on_access([k(2), k(2)], 0.0)
-    assert ResyncSweep(f, f.knobs, POOL).answered({k(1): False, k(2): False}) == [
+    assert ResyncSweep(f).answered({k(1): False, k(2): False}) == [
         Copy(POOL, k(2), None, Tier.CPU, Tier.REDIS)], "only the block read often enough"
