@@ -22,13 +22,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio
 from redis.backoff import EqualJitterBackoff
-from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
+from redis.exceptions import ResponseError
 
 from kvtier.bus.cancel import raise_if_cancelling
+from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
-from kvtier.bus.outages import OUTAGE_ERRORS, OutageLedger
+from kvtier.bus.failures import OUTAGE_ERRORS, REDIS_ERRORS
+from kvtier.bus.outages import OutageLedger
 from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
 from kvtier.errors import MalformedEvent
@@ -56,7 +57,7 @@ class Consumer:
 
     def __init__(
         self,
-        redis: redis.asyncio.Redis,
+        redis: AsyncRedis,
         streams: Sequence[str],
         group: str,
         consumer: str,
@@ -138,6 +139,9 @@ class Consumer:
                         await self._read_new()
                     failures = 0
                     continue
+                except OUTAGE_ERRORS as e:  # first: CLUSTERDOWN is also a ResponseError
+                    self.stats.redis_errors += 1
+                    self._log.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
                 except ResponseError as e:
                     if not str(e).startswith("NOGROUP"):
                         self.stats.redis_errors += 1
@@ -146,12 +150,12 @@ class Consumer:
                         # The group (and its PEL) is gone; redo the whole start-up procedure.
                         self._log.warning("bus.nogroup", error=str(e))
                         recovered = False
-                except (ConnectionError, TimeoutError) as e:
-                    self.stats.redis_errors += 1
-                    self._log.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
-                except RedisError as e:
+                except REDIS_ERRORS as e:
                     self.stats.redis_errors += 1
                     self._log.error("bus.redis_error", error=str(e), exc_info=True)
+                except Exception as e:  # last: see bus/failures.py (a library's bug must not end the bus)
+                    self.stats.redis_errors += 1
+                    self._log.error("bus.unexpected_error", error=f"{type(e).__name__}: {e}", exc_info=True)
                 failures += 1
                 await asyncio.sleep(backoff.compute(failures))
         finally:
@@ -234,7 +238,7 @@ class Consumer:
         dead: list[DeadLetter] = []
         lost: set[tuple[str, bytes]] = set()  # deliveries that ended in an outage (bus/outages.py)
         effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
-        failed: RedisError | None = None
+        failed: Exception | None = None
         try:
             try:
                 for stream, entries in batches:
@@ -255,7 +259,7 @@ class Consumer:
                     self.stats.handler_errors += 1
                     self._log.error("bus.after_batch_error", exc_info=True)
                     acks = {}
-                    if isinstance(e, RedisError):
+                    if isinstance(e, REDIS_ERRORS):
                         failed = e
         except asyncio.CancelledError:
             # Ack (shielded, bounded) only what has really taken effect, then keep cancelling.

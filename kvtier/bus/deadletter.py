@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio
 from redis.typing import EncodableT, FieldT
 
 from kvtier.bus.codec import decode
+from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
 from kvtier.errors import MalformedEvent
@@ -54,7 +54,7 @@ def triage(fields: dict[bytes, bytes], delivered: int | None, max_deliveries: in
 class Settler:
     """Writes one consumer's batch outcomes: dead letters first, then the XACKs."""
 
-    def __init__(self, redis: redis.asyncio.Redis, group: str, dlq: str, dlq_maxlen: int, stats: BusStats,
+    def __init__(self, redis: AsyncRedis, group: str, dlq: str, dlq_maxlen: int, stats: BusStats,
                  log: Any) -> None:
         self._redis = redis
         self._group = group

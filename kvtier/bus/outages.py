@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from redis.exceptions import ConnectionError, TimeoutError
-
-OUTAGE_ERRORS = (ConnectionError, TimeoutError)  # BusyLoadingError is a ConnectionError
 LEDGER_CAP = 65536
 
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import redis.asyncio
 from redis.typing import EncodableT, FieldT
 
 from kvtier.bus.codec import NAME_RE, encode
+from kvtier.bus.connect import AsyncRedis
 from kvtier.core.events import Envelope, Event
 
 FIELD = b"e"
@@ -45,7 +45,7 @@ class Publisher:
     """
 
     def __init__(
-        self, redis: redis.asyncio.Redis, producer: str, epoch: int, maxlen: int, stats: BusStats | None = None
+        self, redis: AsyncRedis, producer: str, epoch: int, maxlen: int, stats: BusStats | None = None
     ) -> None:
         if not NAME_RE.fullmatch(producer) or epoch < 0 or maxlen < 1:
             # Caught here, not by every consumer dead-lettering every event this producer sends.

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import redis.exceptions
-
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import Publisher
 from kvtier.client.results import ClientStats
 from kvtier.core.events import Access
@@ -40,18 +39,27 @@ class AccessReports:
         await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
         await self.flush()
 
-    async def flush(self) -> None:
+    def take(self) -> list[tuple[str, Access]]:
+        """The pending reports, taken to be sent now: by `flush`, or ahead of a prefetch in the
+        same round trip, so that the daemon learns of these reads (which end their blocks'
+        prefetch leases) before the new prefetch asks for leases of its own."""
         batches, self._access = self._access, {}
-        items = [(self._stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
-                 if keys or miss[0]]
+        return [(self._stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
+                if keys or miss[0]]
+
+    def lost(self, error: Exception) -> None:
+        # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
+        self._stats.event_errors += 1
+        self._log.warning("client.access_report_failed", error=str(error))
+
+    async def flush(self) -> None:
+        items = self.take()
         if not items:
             return
         try:
             await self._publisher.publish_many(items)
-        except redis.exceptions.RedisError as e:
-            # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
-            self._stats.event_errors += 1
-            self._log.warning("client.access_report_failed", error=str(e))
+        except REDIS_ERRORS as e:
+            self.lost(e)
 
     async def close(self) -> None:
         """Send what is pending. Let an in-flight report finish rather than cancel it half-sent."""

@@ -17,11 +17,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import redis.asyncio
-import redis.exceptions
 import torch
 
-from kvtier.bus.connect import make_redis
+from kvtier.bus.connect import AsyncRedis, is_cluster, make_blocks_redis, make_redis
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.client.access import AccessReports
 from kvtier.client.discovery import library_logger, read_descriptor
@@ -35,6 +34,7 @@ from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
 from kvtier.runtime import DESCRIPTOR, runtime_dir_for
 from kvtier.shm.staging import StagingWriter
+from kvtier.store.batches import batches_for
 from kvtier.store.redis_blocks import redis_block_key
 
 T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
@@ -48,9 +48,9 @@ STREAM_MAXLEN = 100_000
 
 
 class Client:
-    def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: redis.asyncio.Redis,
+    def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: AsyncRedis,
                  staging_blocks: int, log: Log, copy_threads: int | None = None,
-                 blocks_redis: redis.asyncio.Redis | None = None) -> None:
+                 blocks_redis: AsyncRedis | None = None) -> None:
         copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         if copy_threads < 1:
             raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
@@ -65,6 +65,7 @@ class Client:
         self._redis = redis_client
         # Block keys live on the blocks Redis, which is the bus's unless the daemon has a bus_url.
         self._blocks = redis_client if blocks_redis is None else blocks_redis
+        self._block_batches = batches_for(self._blocks)
         self._client_stream: str = desc["streams"]["client"]
         self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
@@ -108,7 +109,7 @@ class Client:
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
         url = desc["redis"].get("url") or desc["redis"]["bus_url"]
-        blocks = None if url == desc["redis"]["bus_url"] else make_redis(
+        blocks = None if url == desc["redis"]["bus_url"] and not is_cluster(r) else make_blocks_redis(
             url, socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
         try:
             client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks)
@@ -164,17 +165,13 @@ class Client:
 
     async def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
         """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
-        If Redis cannot be reached the answer is the local one."""
+        Blocks Redis could not be asked about (it, or the cluster master serving them, is
+        unreachable) count as absent, so with Redis down the answer is the local one."""
         local = self.lookup(pool, keys)
         rest = keys[local.length:]
         if not rest:
             return local
-        try:
-            found = await self._in_redis(pool, rest)
-        except redis.exceptions.RedisError as e:
-            self.stats.event_errors += 1
-            self.log.warning("client.locate_redis_failed", pool=pool, error=str(e))
-            return local
+        found = await self._in_redis(pool, rest, "client.locate_redis_failed")
         n = next((i for i, f in enumerate(found) if not f), len(found))
         return Lookup(local.length, local.tiers, n)
 
@@ -185,20 +182,20 @@ class Client:
         found = [p.locate(check_key(k)) is not None for k in keys]
         rest = [i for i, f in enumerate(found) if not f]
         if rest:
-            try:
-                for i, f in zip(rest, await self._in_redis(pool, [keys[i] for i in rest])):
-                    found[i] = f
-            except redis.exceptions.RedisError as e:
-                self.stats.event_errors += 1
-                self.log.warning("client.present_redis_failed", pool=pool, error=str(e))
+            for i, f in zip(rest, await self._in_redis(pool, [keys[i] for i in rest], "client.present_redis_failed")):
+                found[i] = f
         return found
 
-    async def _in_redis(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
-        """One pipelined EXISTS per key on the blocks Redis."""
-        pipe = self._blocks.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(redis_block_key(pool, bytes(check_key(k))))
-        return [bool(x) for x in await pipe.execute()]
+    async def _in_redis(self, pool: str, keys: Sequence[bytes], failed: str) -> list[bool]:
+        """One pipelined EXISTS per key on the blocks Redis (per master, on a cluster). A key
+        Redis could not answer for is absent; one log line (`failed`) and one error per call."""
+        names = [redis_block_key(pool, bytes(check_key(k))) for k in keys]
+        answers = await self._block_batches.run([("EXISTS", n) for n in names])
+        errors = [a for a in answers if isinstance(a, Exception)]
+        if errors:
+            self.stats.event_errors += 1
+            self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
+        return [not isinstance(a, Exception) and bool(a) for a in answers]
 
     # --- get -----------------------------------------------------------------------------------
 
@@ -304,7 +301,7 @@ class Client:
         if staged:
             try:
                 await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged)))
-            except redis.exceptions.RedisError as e:
+            except REDIS_ERRORS as e:
                 w.unstage(staged)
                 dropped = len(bkeys)
                 staged = []
@@ -321,12 +318,19 @@ class Client:
         return PutResult(len(staged), dropped)
 
     async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
-        """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis."""
+        """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis.
+        Read reports still pending go first, in the same round trip (AccessReports.take)."""
         self.pool(pool)
         bkeys = tuple(check_key(k) for k in keys)
         if bkeys:
-            await self._publisher.publish(self._client_stream,
-                                          Prefetch(pool, bkeys, None if parent is None else check_key(parent)))
+            reads = self._access.take()
+            ask = Prefetch(pool, bkeys, None if parent is None else check_key(parent))
+            try:
+                await self._publisher.publish_many([*reads, (self._client_stream, ask)])
+            except REDIS_ERRORS as e:
+                if reads:
+                    self._access.lost(e)
+                raise
 
     async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
         """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.redis_url import parse_redis_url, redact_url
+
 Check = Callable[[Any], Any]
 
 NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
@@ -113,6 +115,22 @@ def string(pattern: str | None = None, what: str = "", *, empty_ok: bool = True)
             raise Invalid(f"expected {want}, got ''")
         if value and compiled is not None and not compiled.fullmatch(value):
             raise Invalid(f"expected {want}, got {shown(value)}")
+        return value
+
+    return check
+
+
+def redis_url() -> Check:
+    """A Redis URL that kvtier.redis_url accepts, or "" (the embedded default)."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise Invalid(f"expected a Redis URL string, got {shown(value)}")
+        if value:
+            try:
+                parse_redis_url(value)
+            except ValueError as e:
+                raise Invalid(f"{e}; got {shown(redact_url(value))}") from None
         return value
 
     return check

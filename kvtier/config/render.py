@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtier.config.fields import checked_fields
 from kvtier.config.schema import SECTIONS, Config
+from kvtier.redis_url import redact_url
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -21,14 +22,6 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 def _plain(section: Any) -> dict[str, Any]:
     return {key: str(v) if isinstance(v := getattr(section, key), Path) else v
             for key in checked_fields(type(section))}
-
-
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@|([?&]password=)[^&]*")
-
-
-def redact_url(url: str) -> str:
-    """A Redis URL fit for printing: its password (userinfo or query) replaced by ***."""
-    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", url)
 
 
 def format_config(cfg: Config, *, redact: bool = False) -> str:

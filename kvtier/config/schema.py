@@ -14,6 +14,7 @@ from kvtier.config.fields import (
     eviction_policy,
     integer,
     number,
+    redis_url,
     setting,
     size,
     string,
@@ -23,7 +24,6 @@ from kvtier.failpoints import SPEC as FAILPOINT
 from kvtier.layout import DTYPE_BYTES
 
 ENV_PREFIX = "KVTIER__"
-_REDIS_URL = r"(rediss?|unix)://\S+"
 _DEVICE = r"auto|cpu|cuda(:[0-9]+)?"
 
 
@@ -55,9 +55,9 @@ class LogConfig:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    url: str = setting(string(_REDIS_URL, "a redis://, rediss:// or unix:// URL"), "", text=True)
-    bus_url: str = setting(string(_REDIS_URL, "a redis://, rediss:// or unix:// URL"), "",
-                           text=True)
+    # Any URL kvtier/redis_url.py accepts: one server, redis+cluster:// or redis+sentinel://.
+    url: str = setting(redis_url(), "", text=True)
+    bus_url: str = setting(redis_url(), "", text=True)
     socket_timeout_s: float = setting(number(gt=0), 5.0)
     connect_timeout_s: float = setting(number(gt=0), 2.0)
     retries: int = setting(integer(0), 3)

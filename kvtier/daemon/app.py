@@ -17,14 +17,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import redis.asyncio
 import structlog
 
-from kvtier.bus.connect import make_redis
+from kvtier.bus.connect import AsyncRedis, check_reachable, is_cluster, make_blocks_redis, make_redis, resolve_url
 from kvtier.bus.consumer import Consumer, Delivery
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.bus.streams import StreamNames
-from kvtier.config import Config
+from kvtier.config import Config, redact_url
 from kvtier.core.events import Tier
 from kvtier.daemon.chores import Chores, bounded
 from kvtier.daemon.coordinator import Coordinator
@@ -92,11 +91,13 @@ class Daemon:
                 self.embedded = EmbeddedRedis(cfg.embedded_redis, self.runtime_dir, self.log)
                 stack.push_async_callback(self.embedded.stop)  # before start: a half-started server too
                 url = await self.embedded.start()
-            bus_url = cfg.redis.bus_url or url
-            bus = self._client(stack, bus_url)
-            blocks = bus if bus_url == url else self._client(stack, url)
+            url = await self._resolve(url)
+            bus_url = await self._resolve(cfg.redis.bus_url) if cfg.redis.bus_url else url
+            bus = self._client(stack, bus_url, make_redis)
+            # A cluster's block I/O gets its own client (bus/connect.py: no cluster-level retry).
+            blocks = bus if bus_url == url and not is_cluster(bus) else self._client(stack, url, make_blocks_redis)
             for c in [bus] if blocks is bus else [bus, blocks]:
-                await c.ping()
+                await check_reachable(c)
             staging = StagingSegments(cfg.node.id, self.log)
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
@@ -141,14 +142,21 @@ class Daemon:
 
     # --- pieces of startup ------------------------------------------------------------------
 
-    def _client(self, stack: contextlib.AsyncExitStack, url: str) -> redis.asyncio.Redis:
+    def _client(self, stack: contextlib.AsyncExitStack, url: str, make: Callable[..., AsyncRedis]) -> AsyncRedis:
         r = self.cfg.redis
-        client = make_redis(url, socket_timeout=r.socket_timeout_s, connect_timeout=r.connect_timeout_s,
-                            retries=r.retries)
+        client = make(url, socket_timeout=r.socket_timeout_s, connect_timeout=r.connect_timeout_s, retries=r.retries)
         stack.push_async_callback(lambda: bounded(self.log, "redis", client.aclose()))
         return client
 
-    def _build_consumers(self, bus: redis.asyncio.Redis, staging: StagingSegments) -> None:
+    async def _resolve(self, url: str) -> str:
+        """A redis:// URL naming a cluster node becomes the cluster's URL (bus/connect.py)."""
+        r = self.cfg.redis
+        resolved = await resolve_url(url, socket_timeout=r.socket_timeout_s, connect_timeout=r.connect_timeout_s)
+        if resolved != url:
+            self.log.info("redis.cluster_detected", url=redact_url(url), using=redact_url(resolved))
+        return resolved
+
+    def _build_consumers(self, bus: AsyncRedis, staging: StagingSegments) -> None:
         cfg = self.cfg
         publisher = self.publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen,
                                                self.bus_stats)
@@ -162,7 +170,7 @@ class Daemon:
                                 pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
             self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle, worker.flush))
 
-    def _consumer(self, bus: redis.asyncio.Redis, streams: list[str], role: str,
+    def _consumer(self, bus: AsyncRedis, streams: list[str], role: str,
                   handler: Callable[[Delivery], Awaitable[None]], after_batch: Callable[[], Awaitable[None]],
                   ) -> Consumer:
         b = self.cfg.bus
@@ -173,7 +181,7 @@ class Daemon:
             log=self.log.bind(worker=role), after_batch=after_batch, failpoints=self.failpoints,
         )
 
-    def _start_chores(self, chores: Chores, bus: redis.asyncio.Redis, staging: StagingSegments) -> None:
+    def _start_chores(self, chores: Chores, bus: AsyncRedis, staging: StagingSegments) -> None:
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
         chores.every("reaper", REAP_INTERVAL_S, staging.reap)
         chores.start("loop-lag", self.loop_lag.run())

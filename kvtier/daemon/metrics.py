@@ -50,6 +50,8 @@ _POOL_COUNTERS = {
     "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
     "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),
     "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
+    "redis_redirects": ("kvtier_redis_redirects", "Block commands a Redis Cluster redirected (MOVED, ASK, TRYAGAIN)"),
+    "redis_slot_reloads": ("kvtier_redis_slot_reloads", "Cluster slot-map reloads after a master failed a batch"),
     "resync_missing": ("kvtier_resync_missing", "Local blocks the re-replication sweep found missing in Redis"),
     "resync_copies": ("kvtier_resync_copies", "Blocks the re-replication sweep wrote to Redis again"),
 }

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from kvtier.bus.cancel import raise_if_cancelling
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import Publisher
 from kvtier.core.resync import ResyncSweep
 from kvtier.tiers.pool import PoolRuntime
@@ -24,16 +23,24 @@ async def resync_loop(pools: dict[str, PoolRuntime], publisher: Publisher, strea
             if not keys:
                 continue
             try:
-                held = await rt.redis.exists(list(keys))
+                answers = await rt.redis.exists(list(keys))
                 raise_if_cancelling()  # a cancel redis-py swallowed still ends the chore
-                copies = sweeps[name].answered(dict(zip(keys, held)))
+                held = {k: a for k, a in zip(keys, answers) if isinstance(a, bool)}
+                copies = sweeps[name].answered(held)
                 if copies:
                     await publisher.publish_many([(stream, c) for c in copies])
-            except RedisError as e:  # Redis down: the next round asks again
+            except REDIS_ERRORS as e:  # the bus is down: the next round asks again
                 log.warning("redis.resync_failed", pool=name, error=str(e))
                 continue
-            missing = held.count(False)
+            except Exception as e:  # last: see bus/failures.py
+                log.warning("redis.resync_failed", pool=name, error=f"{type(e).__name__}: {e}", exc_info=True)
+                continue
+            unanswered = len(keys) - len(held)  # their master is down (a cluster) or Redis is
+            if unanswered:
+                log.warning("redis.resync_unanswered", pool=name, keys=unanswered,
+                            error=str(next(a for a in answers if not isinstance(a, bool))))
+            missing = sum(not a for a in held.values())
             rt.counters.resync_missing += missing
             rt.counters.resync_copies += len(copies)
             if missing:
-                log.info("redis.resync", pool=name, checked=len(keys), missing=missing, copies=len(copies))
+                log.info("redis.resync", pool=name, checked=len(held), missing=missing, copies=len(copies))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import redis.asyncio
-from redis.exceptions import RedisError
-
 from kvtier.bus.cancel import raise_if_cancelling
+from kvtier.bus.connect import AsyncRedis
+from kvtier.bus.failures import REDIS_ERRORS
 
 
-async def sample_streams(bus: redis.asyncio.Redis, names: list[str], group: str, into: dict[str, dict[str, Any]],
+async def sample_streams(bus: AsyncRedis, names: list[str], group: str, into: dict[str, dict[str, Any]],
                          interval: float, log: Any) -> None:
     """Every `interval` s, each stream's pending entries and lag for `group`, into `into`.
 
@@ -29,7 +28,9 @@ async def sample_streams(bus: redis.asyncio.Redis, names: list[str], group: str,
                     if isinstance(groups, list) else None
                 if g is not None:
                     into[n] = {"pending": g.get("pending", 0), "lag": g.get("lag")}
-        except RedisError as e:
+        except REDIS_ERRORS as e:
             log.debug("daemon.stream_sample_failed", error=str(e))
+        except Exception as e:  # last: see bus/failures.py
+            log.warning("daemon.stream_sample_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
         raise_if_cancelling()
         await asyncio.sleep(interval)

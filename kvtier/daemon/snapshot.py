@@ -32,6 +32,8 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "misses": rt.counters.misses,
         "redis_corrupt": rt.redis.stats.corrupt,
         "redis_errors": rt.redis.stats.errors,
+        "redis_redirects": rt.redis.batches.redirects,
+        "redis_slot_reloads": rt.redis.batches.reloads,
         "resync_missing": rt.counters.resync_missing,
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
-import redis.asyncio as aioredis
-import redis.exceptions
 
+from kvtier.bus.connect import AsyncRedis
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.errors import CorruptBlock
 from kvtier.offload import map_shares
 from kvtier.shm.slots import checksum
+from kvtier.store.batches import batches_for
 
 if TYPE_CHECKING:
     from kvtier.logs import Log
@@ -87,11 +88,14 @@ return 0
 
 
 class RedisBlocks:
-    """One pool's blocks in Redis. Errors from Redis propagate; the worker turns them into misses."""
+    """One pool's blocks in Redis (one server or a cluster: store/batches.py). Batched calls give
+    each key its own outcome; errors from Redis are returned or raised, and the worker turns them
+    into misses."""
 
-    def __init__(self, client: aioredis.Redis, pool: str, fingerprint: bytes, block_bytes: int,
+    def __init__(self, client: AsyncRedis, pool: str, fingerprint: bytes, block_bytes: int,
                  ttl_s: int, log: Log) -> None:
         self.client = client
+        self.batches = batches_for(client)
         self.pool = pool
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
@@ -108,15 +112,10 @@ class RedisBlocks:
         await self.client.set(self.name(key), value, ex=self.ttl_s or None)
 
     async def put_many(self, items: list[tuple[bytes, memoryview]]) -> list[Exception | None]:
-        """SET packed values (`pack`) in one pipeline; per item, None or the error Redis gave.
-        A connection-level failure is every item's error."""
-        pipe = self.client.pipeline(transaction=False)
-        for key, value in items:
-            pipe.set(self.name(key), value, ex=self.ttl_s or None)
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        except redis.exceptions.RedisError as e:
-            return [e] * len(items)
+        """SET packed values (`seal`), pipelined; per item, None or the error Redis gave (on a
+        cluster, a master that is down fails only the items it serves)."""
+        ex = ("EX", self.ttl_s) if self.ttl_s else ()
+        replies = await self.batches.run([("SET", self.name(key), value, *ex) for key, value in items])
         return [r if isinstance(r, Exception) else None for r in replies]
 
     def new_value(self) -> tuple[memoryview, npt.NDArray[np.uint8]]:
@@ -130,12 +129,9 @@ class RedisBlocks:
         return pack_header(value, self.fingerprint, key, self.block_bytes, csum)
 
     async def get_many(self, keys: list[bytes]) -> list[Verified | None | Exception]:
-        """GET in one pipeline; per key the verified (payload, checksum), None when absent or
-        corrupt (then deleted), or the error Redis gave. A connection-level failure raises."""
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(self.name(k))
-        replies = await pipe.execute(raise_on_error=False)
+        """GET, pipelined; per key the verified (payload, checksum), None when absent or corrupt
+        (then deleted), or the error Redis gave."""
+        replies = await self.batches.run([("GET", self.name(k)) for k in keys])
         values = [(k, raw) for k, raw in zip(keys, replies) if isinstance(raw, bytes)]
 
         def check(share: Sequence[tuple[bytes, bytes]]) -> list[Verified | CorruptBlock]:
@@ -185,14 +181,13 @@ class RedisBlocks:
         try:
             digest = hashlib.sha1(raw, usedforsecurity=False).hexdigest()
             await self._delete_if_same(keys=[self.name(key)], args=[digest])
-        except redis.exceptions.RedisError as de:
+        except REDIS_ERRORS as de:
             self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
 
     async def delete(self, key: bytes) -> bool:
         return bool(await self.client.delete(self.name(key)))
 
-    async def exists(self, keys: list[bytes]) -> list[bool]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self.name(k))
-        return [bool(x) for x in await pipe.execute()]
+    async def exists(self, keys: list[bytes]) -> list[bool | Exception]:
+        """Per key, whether Redis holds it, or the error that kept it from answering."""
+        replies = await self.batches.run([("EXISTS", self.name(k)) for k in keys])
+        return [r if isinstance(r, Exception) else bool(r) for r in replies]

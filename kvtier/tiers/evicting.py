@@ -7,9 +7,9 @@ before the last local copy goes.
 
 from __future__ import annotations
 
-import redis.exceptions
 from structlog.typing import FilteringBoundLogger
 
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.core.events import Cause, Evict, Reason, Removed, Tier
 from kvtier.core.eviction import REFUSED, ROOM_TRIES, Verdict, after_redis_check, evict_verdict, room_victim
 from kvtier.keys import BlockKey
@@ -29,7 +29,7 @@ class Evictions:
         if self.tier == Tier.REDIS:
             try:
                 await rt.redis.delete(ev.key)
-            except redis.exceptions.RedisError:
+            except REDIS_ERRORS:
                 rt.redis.stats.errors += 1
                 raise  # leave the command pending: it is retried, then dead-lettered
             rt.not_in_redis(ev.key)
@@ -77,11 +77,10 @@ class Evictions:
     async def _redis_has(self, rt: PoolRuntime, key: BlockKey) -> bool:
         """Confirm a block is really in Redis before dropping the last local copy: Redis may have
         expired or evicted it since we wrote it. Forget it if it is gone; any error means no."""
-        try:
-            (present,) = await rt.redis.exists([key])
-        except redis.exceptions.RedisError as e:
+        (present,) = await rt.redis.exists([key])
+        if isinstance(present, Exception):
             rt.redis.stats.errors += 1
-            self.log.warning("tier.redis_check_failed", pool=rt.name, error=f"{type(e).__name__}: {e}")
+            self.log.warning("tier.redis_check_failed", pool=rt.name, error=f"{type(present).__name__}: {present}")
             return False
         if not present:
             rt.not_in_redis(key)

@@ -9,12 +9,10 @@ block, so commands for one block still apply in order.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import numpy as np
-import redis.exceptions
 
 from kvtier.core.events import Copy, Demote, Promote, Store
 from kvtier.failpoints import Failpoints
@@ -76,8 +74,8 @@ class RedisBatch:
 
     async def send(self, sets: list[QueuedSet], gets: list[QueuedGet]) -> tuple[Wrote, Read]:
         """The SETs, then the GETs, one pipeline per pool each: every operation with its outcome,
-        in queue order. A failed SET is its error; a GET pipeline that fails is an error for each
-        of its GETs."""
+        in queue order. A failed SET or GET is its error (on a cluster, a master that is down fails
+        only the keys it serves)."""
         wrote: Wrote = []
         for rt, group in _by_pool(sets):
             put = asyncio.ensure_future(rt.redis.put_many([(q.ev.key, q.value) for q in group]))
@@ -87,12 +85,7 @@ class RedisBatch:
             wrote.extend(zip(group, await put))
         read: Read = []
         for rt, reads in _by_pool(gets):
-            got: Sequence[Got]
-            try:
-                got = await rt.redis.get_many([q.ev.key for q in reads])
-            except redis.exceptions.RedisError as e:
-                got = [e] * len(reads)
-            read.extend(zip(reads, got))
+            read.extend(zip(reads, await rt.redis.get_many([q.ev.key for q in reads])))
         return wrote, read
 
 

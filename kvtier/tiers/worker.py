@@ -208,10 +208,9 @@ class TierWorker:
 
     async def _promoted(self, rt: PoolRuntime, ev: Transfer, got: Got, t0: float) -> Fact | None:
         """A block read from Redis: store it here, or report the miss."""
-        if isinstance(got, Exception):
-            rt.redis.stats.errors += 1
-            self.log.warning("tier.redis_read_failed", pool=rt.name, error=f"{type(got).__name__}: {got}")
-            got = None
+        if isinstance(got, Exception):  # Redis, or the cluster master serving the key, is unreachable
+            rt.redis.stats.errors += 1  # the failed fact logs it (tier.transfer_failed)
+            return self.facts.failed(rt, ev, Failure.REDIS, f"{type(got).__name__}: {got}")
         if got is None:  # expired, evicted or corrupt there: stop believing in it
             rt.not_in_redis(ev.key)
             return self.facts.failed(rt, ev, Failure.SOURCE_MISS, "redis no longer holds a valid copy")

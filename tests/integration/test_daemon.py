@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.bus.codec import decode
+from kvtier.bus.publisher import FIELD
 from kvtier.client import Client
 from kvtier.core.events import Tier
 from kvtier.store.redis_blocks import redis_block_key, unpack_block
@@ -224,3 +226,23 @@ async def test_locate_and_present_ask_the_blocks_redis_when_the_bus_is_elsewhere
         r.close()
     finally:
         bus.stop(kill=True)
+
+
+async def test_a_prefetch_never_overtakes_the_read_reports_before_it(daemon_factory, redis_server):
+    """Read reports wait up to 20 ms to be batched; a prefetch sent meanwhile carries them ahead of
+    itself. Before, a get-then-prefetch loop faster than that let the daemon see the prefetch
+    while the earlier prefetches' leases (which reads end) were all still held: past the lease
+    cap, it shed blocks it had just been asked to prefetch, and the prefetch never completed."""
+    d = daemon_factory()
+    r = redis_server.client()
+    async with await Client.connect(d.runtime_dir) as client:
+        keys = client.block_keys("t", list(range(64)), salt=b"read")
+        await put_chain(client, keys, make_kv(4, seed=3))
+        out = torch.empty((4, *SHAPE), dtype=torch.float16)
+        assert await client.get("t", keys, out) == 4
+        await client.prefetch("t", client.block_keys("t", list(range(64)), salt=b"next"))
+        sent = [decode(fields[FIELD]).event for _id, fields in r.xrange(client.desc["streams"]["client"])]
+    kinds = [type(e).__name__ for e in sent]
+    assert kinds[-2:] == ["Access", "Prefetch"], kinds
+    assert sent[-2].keys == tuple(keys)
+    r.close()

@@ -282,3 +282,12 @@ def test_printed_config_hides_redis_passwords(tmp_path: Path) -> None:
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
     cfg = load_config(write(tmp_path, POOL + '[redis]\nurl = "redis://kv:s3cret@127.0.0.1:6379/0"\n'), {})
     assert "s3cret" not in format_config(cfg, redact=True) and "s3cret" in format_config(cfg)
+
+
+def test_redis_urls_are_checked_by_the_parser_and_shown_redacted(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, POOL), {"KVTIER__REDIS__URL": "redis+cluster://10.0.0.1:7000,10.0.0.2:7000",
+                                              "KVTIER__REDIS__BUS_URL": "redis+sentinel://s1,s2/kv"})
+    assert cfg.redis.url.startswith("redis+cluster://") and cfg.redis.bus_url.endswith("/kv")
+    problems = problems_of(write(tmp_path, POOL), {"KVTIER__REDIS__URL": "redis+cluster://:hunter2@h:1/5"})
+    assert problems == ["redis.url: a Redis Cluster has only database 0; got 'redis+cluster://:***@h:1/5'"
+                        " (set by KVTIER__REDIS__URL)"]

@@ -26,9 +26,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis.exceptions
 import torch
 
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.client import Client
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.tier_chunks import runs
@@ -79,9 +79,9 @@ class TierIO(TierLink):
             reason = "daemon_unavailable"
             self.counters.add("daemon_unavailable")
             self.warn.warning("vllm_tier.daemon_unavailable", job=kind, error=str(e))
-        except (KvtierError, redis.exceptions.RedisError, OSError) as e:
+        except (KvtierError, *REDIS_ERRORS, OSError) as e:
             reason = type(e).__name__
-            self.counters.add("redis_errors" if isinstance(e, redis.exceptions.RedisError) else "read_failures")
+            self.counters.add("redis_errors" if isinstance(e, REDIS_ERRORS) else "read_failures")
             self.warn.warning("vllm_tier.job_failed", job=kind, error=str(e))
         except Exception as e:  # a bug: the chunks fail, vLLM must not see it
             reason = repr(e)
@@ -145,7 +145,7 @@ class TierIO(TierLink):
                 try:
                     await client.prefetch(self.pool, [keys[i] for i in pending])  # Redis -> this node's cpu tier
                     self.counters.add("load_chunks_prefetched", len(pending))
-                except redis.exceptions.RedisError as e:
+                except REDIS_ERRORS as e:
                     self.counters.add("redis_errors")
                     self.warn.warning("vllm_tier.redis_failed", op="prefetch", error=str(e))
                     pending, reason = [], "prefetch_failed"

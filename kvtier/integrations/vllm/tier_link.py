@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import redis.exceptions
 
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.client import Client
 from kvtier.client.discovery import library_logger
 from kvtier.errors import DaemonUnavailable, UnknownPool
@@ -117,7 +117,7 @@ class TierLink:
         try:
             client = await asyncio.wait_for(Client.connect(self._rdir, staging_blocks=self._staging),
                                             self._connect_timeout)
-        except (DaemonUnavailable, OSError, TimeoutError, redis.exceptions.RedisError) as e:
+        except (DaemonUnavailable, OSError, TimeoutError, *REDIS_ERRORS) as e:
             self.up = False
             if first:
                 self.log.warning("vllm_tier.daemon_unavailable", error=str(e),

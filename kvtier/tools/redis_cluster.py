@@ -1,0 +1,178 @@
+"""A throwaway Redis Cluster on free loopback ports, for `kvtier bench --cluster` and the tests:
+real redis-server processes joined by `redis-cli --cluster create` (a lone master takes every slot
+itself: redis-cli wants three).
+
+`cluster-require-full-coverage no`, so the other masters keep serving while one is down (as
+docs/operations.md tells operators to set it), and a short `cluster-node-timeout`, so failures
+and failovers are noticed within a second or two. No persistence: a master killed and started
+again comes back empty (its nodes.conf keeps its id and slots), as a cache-only Redis does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from kvtier.processes import die_with_parent
+
+NODE_TIMEOUT_MS = 1000
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+FORM_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(cond: Callable[[], object], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class ClusterNode:
+    """One redis-server of the cluster: its client port and cluster-bus port are both free ones."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.port = free_port()
+        self.bus_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start, or start again: the same node id and slots (nodes.conf), with no data."""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            exe, "--bind", "127.0.0.1", "--port", str(self.port), "--cluster-port", str(self.bus_port),
+            "--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
+            "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-require-full-coverage", "no",
+            "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
+        ]  # fmt: skip
+        with open(self.dir / "redis.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent)
+        wait_for(self._ready, f"PING on {self.addr}", START_TIMEOUT_S)
+
+    def _ready(self) -> bool:
+        if not self.running:
+            tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"redis-server exited early:\n{tail}")
+        try:
+            with self.client(timeout=0.5) as c:
+                return bool(c.ping())
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+
+    def client(self, timeout: float = 5.0) -> redis.Redis:
+        """A plain client of this one node (no redirects followed); the caller closes it."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    def node_id(self) -> str:
+        with self.client() as c:
+            return str(c.execute_command("CLUSTER", "MYID").decode())
+
+    def role(self) -> str:
+        with self.client() as c:
+            return str(c.execute_command("ROLE")[0].decode())
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        self.proc = None
+
+
+class LocalCluster:
+    """`masters` masters (slots split evenly by redis-cli), each with `replicas` replicas."""
+
+    def __init__(self, directory: Path, masters: int, replicas: int = 0) -> None:
+        if masters < 1 or (masters < 3 and (masters, replicas) != (1, 0)):
+            raise ValueError("a cluster of 3 or more masters, or a lone master without replicas")
+        self.dir = directory
+        self.nodes = [ClusterNode(directory / f"node{i}") for i in range(masters * (1 + replicas))]
+        self.masters_count = masters
+        self.replicas = replicas
+
+    @property
+    def url(self) -> str:
+        """kvtier's cluster URL, every node a seed."""
+        return "redis+cluster://" + ",".join(n.addr for n in self.nodes)
+
+    @classmethod
+    @contextmanager
+    def serving(cls, tmp_dir: Path | str, masters: int = 3, replicas: int = 0) -> Iterator:
+        cluster = cls(Path(tempfile.mkdtemp(prefix="kvtier-cluster-", dir=tmp_dir)), masters, replicas)
+        try:
+            cluster.create()
+            yield cluster
+        finally:
+            cluster.close()
+
+    def create(self) -> None:
+        for n in self.nodes:
+            n.start()
+        if self.masters_count == 1:
+            with self.nodes[0].client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        else:
+            cli = shutil.which("redis-cli")
+            if cli is None:
+                raise RuntimeError("redis-cli not found on PATH (apt-get install redis-tools)")
+            out = subprocess.run(
+                [cli, "--cluster", "create", *(n.addr for n in self.nodes), "--cluster-replicas",
+                 str(self.replicas), "--cluster-yes"],
+                capture_output=True, timeout=FORM_TIMEOUT_S, text=True)  # fmt: skip
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+        wait_for(self.healthy, "cluster_state:ok on every node", FORM_TIMEOUT_S)
+
+    def healthy(self) -> bool:
+        """Every running node says cluster_state:ok and knows every other running node."""
+        for n in self.nodes:
+            if not n.running:
+                continue
+            with n.client() as c:
+                info = c.execute_command("CLUSTER", "INFO").decode()
+            if "cluster_state:ok" not in info:
+                return False
+            if int(info.split("cluster_known_nodes:")[1].split()[0]) < sum(m.running for m in self.nodes):
+                return False
+        return True
+
+    def masters(self) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.running and n.role() == "master"]
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.stop(kill=True)
