@@ -107,6 +107,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.tools.prefill import run_prefill
 
         return run_prefill(args)
+    if args.cluster:
+        from kvtier.tools.bench_cluster import run_cluster_bench
+
+        return run_cluster_bench(args)
     from kvtier.tools.bench import run_bench
 
     return run_bench(args)
@@ -155,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vllm", action="store_true",
                    help="measure the vLLM connector and secondary tier against kvtier's own get/put, and TTFT "
                         "with a prefix from kvtier (needs vLLM; see docs/integrations/vllm.md)")
+    b.add_argument("--cluster", action="store_true",
+                   help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
+                        "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")
     pf = b.add_argument_group("prefill scenario")
     pf.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
     pf.add_argument("--requests", type=int, default=240, help="requests in the trace (default 240)")

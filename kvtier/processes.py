@@ -31,11 +31,12 @@ def pid_alive(pid: object) -> bool:
     return True
 
 
-def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> None:
-    """SIGTERM every one still running, then wait up to `timeout` each; SIGKILL what is left."""
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` (SIGTERM) to every one still running, then wait up to `timeout` each; SIGKILL
+    what is left."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
     for p in procs:
         try:
             p.wait(timeout)

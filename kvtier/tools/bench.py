@@ -293,14 +293,29 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_bench(args) -> int:
-    quick = args.quick
-    layout = TINY if quick else LLAMA
+def sizes(args, least: int) -> tuple[dict, int, int, int]:
+    """The layout, block bytes, block count (`--gib` of them, at least `least`) and repeats."""
     from kvtier.layout import BlockLayout
 
+    layout = TINY if args.quick else LLAMA
     bb = BlockLayout(**layout).block_bytes
-    n = 64 if quick else max(64, int(args.gib * (1 << 30)) // bb)
-    repeat = 1 if quick else 3
+    n = least if args.quick else max(least, int(args.gib * (1 << 30)) // bb)
+    return layout, bb, n, 1 if args.quick else 3
+
+
+def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
+    """Print the table, write the JSON, and fail the run if any path read wrong bytes."""
+    print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1))
+    if not correct:
+        print("kvtier bench: WRONG BYTES on a measured path (a bug: please report it)", file=sys.stderr)
+    return 0 if correct else 1
+
+
+def run_bench(args) -> int:
+    quick = args.quick
+    layout, bb, n, repeat = sizes(args, 64)
     if shutil.which("redis-server") is None:
         print("kvtier bench: redis-server is not on PATH", file=sys.stderr)
         return 1
@@ -323,10 +338,5 @@ def run_bench(args) -> int:
     if not quick:
         directory_row(repeat, out)
     out["rows"] = table(out)
-    print(render(out["rows"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    correct = all(out[k].get("correct", True) for k in ("get", "put", "redis") if k in out)
-    if not correct:
-        print("kvtier bench: WRONG BYTES on a measured path (a bug: please report it)", file=sys.stderr)
-    return 0 if correct else 1
+    return finish(out, render(out["rows"]), args.json,
+                  all(out[k].get("correct", True) for k in ("get", "put", "redis") if k in out))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from kvtier.processes import die_with_parent
+from kvtier.processes import die_with_parent, stop_processes
 
 NODE_TIMEOUT_MS = 1000
 START_TIMEOUT_S = 10.0
@@ -101,15 +101,8 @@ class ClusterNode:
             return str(c.execute_command("ROLE")[0].decode())
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        if self.proc is not None:
+            stop_processes([self.proc], STOP_TIMEOUT_S, signal.SIGKILL if kill else signal.SIGTERM)
         self.proc = None
 
 

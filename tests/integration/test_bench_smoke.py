@@ -59,3 +59,18 @@ def test_prefill_scenario_replays_the_trace_and_accounts_for_every_block(tmp_pat
     assert 0 < res["prefix_ms"]["p50"] <= res["prefix_ms"]["p99"]
     assert 0 <= res["redis_pulls"]["wait_s"] <= res["fetch_s"] and res["local"]["spent_s"] >= 0
     assert "prefill avoided:" in run.stdout and "cost model:" in run.stdout
+
+
+def test_cluster_bench_quick_reads_back_exact_bytes_on_1_and_3_masters(tmp_path: Path) -> None:
+    """A tiny `kvtier bench --cluster`: real clusters of 1 and 3 masters; the redis tier's verified
+    reads and node B's pull of node A's chain return exactly the bytes put in."""
+    out = tmp_path / "cluster.json"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--cluster", "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    res = json.loads(out.read_text())
+    for m in (1, 3):
+        r = res[f"masters_{m}"]
+        assert r["correct"] and len(r["keys_per_master"]) == m and all(k > 0 for k in r["keys_per_master"])
+        assert all(r[k] > 0 for k in ("put_gbps", "get_gbps", "pull_gbps", "raw_put_gbps", "raw_get_gbps"))
+    assert "| cross-node pull | 3 |" in run.stdout

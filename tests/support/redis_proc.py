@@ -16,6 +16,7 @@ from pathlib import Path
 
 import redis
 
+from kvtier.processes import stop_processes
 from tests.support.waiting import wait_until
 
 START_TIMEOUT_S = 10.0
@@ -90,15 +91,8 @@ class RedisProcess:
 
     def stop(self, kill: bool = False) -> None:
         """SIGTERM (or SIGKILL with `kill`) and reap. Idempotent."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        if self.proc is not None:
+            stop_processes([self.proc], STOP_TIMEOUT_S, signal.SIGKILL if kill else signal.SIGTERM)
         self.proc = None
 
     def restart(self, kill: bool = False) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import redis
 
+from kvtier.processes import stop_processes
 from tests.support.redis_cluster import free_port, wait_replicated
 from tests.support.waiting import wait_until
 
@@ -57,9 +58,8 @@ class _Server:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_processes([self.proc], 5.0, signal.SIGKILL if kill else signal.SIGTERM)
         self.proc = None
 
 
