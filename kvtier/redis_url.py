@@ -84,8 +84,12 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise ValueError(f"database must be a number, got {db!r}")
     host, port = nodes[0]
     auth = f"{m['auth']}@" if m["auth"] is not None else ""
-    node_url = f"{base}://{auth}{host}:{port}/{db}" + (f"?{urlencode(query)}" if query else "")
+    node_url = f"{base}://{auth}{_bracketed(host)}:{port}/{db}" + (f"?{urlencode(query)}" if query else "")
     return RedisTarget(mode, node_url, nodes, service, sentinel)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address, in a URL
 
 
 def _hosts(text: str, default_port: int, scheme: str) -> tuple[tuple[str, int], ...]:

@@ -80,15 +80,20 @@ class _AnyPrimaryCommands(AsyncCommandsParser):
     locally (they follow STREAMS: the first half of what is left), which also saves a round trip
     per read, and a node that fails to answer is replaced by the next primary."""
 
-    __slots__ = ("_nodes",)
+    __slots__ = ("_nodes", "_good")
 
     def __init__(self, nodes: redis.asyncio.cluster.NodesManager) -> None:
         super().__init__()
         self._nodes = nodes
+        self._good: redis.asyncio.cluster.ClusterNode | None = None  # the last node that answered
 
     def _candidates(self, first: redis.asyncio.cluster.ClusterNode | None) -> list[redis.asyncio.cluster.ClusterNode]:
+        """The node to ask first, then every other primary; the last one that answered leads, so a
+        reload (which names the first primary, maybe the dead one) costs no connect timeout."""
         primaries = self._nodes.get_nodes_by_server_type(PRIMARY)
-        return ([first] if first is not None else []) + [n for n in primaries if n is not first]
+        good = self._good if self._good in primaries else None
+        lead = [n for n in (good, first) if n is not None]
+        return list(dict.fromkeys([*lead, *primaries]))
 
     async def initialize(self, node: redis.asyncio.cluster.ClusterNode | None = None) -> None:
         error: Exception | None = None
@@ -98,7 +103,7 @@ class _AnyPrimaryCommands(AsyncCommandsParser):
             except (ConnectionError, TimeoutError) as e:
                 error = e
                 continue
-            self._nodes.default_node = n
+            self._good = self._nodes.default_node = n
             return
         raise error if error is not None else ConnectionError("no primary in the slot map")
 
@@ -113,17 +118,19 @@ class _AnyPrimaryCommands(AsyncCommandsParser):
             except (ConnectionError, TimeoutError) as e:
                 error = e
                 continue
+            self._good = n
             return tuple(keys) if keys is not None else None
         assert error is not None
         raise error
 
 
 def _stream_keys(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The keys of XREAD/XREADGROUP: after STREAMS come the keys, then as many ids."""
-    words = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
-    try:
-        at = [w.upper() for w in words].index("STREAMS")
-    except ValueError:
+    """The keys of XREAD / XREADGROUP: after STREAMS come the keys, then as many ids. XREADGROUP's
+    group and consumer names (GROUP g c) are skipped, so one named "streams" is not taken for it."""
+    start = 4 if str(args[0]).upper() == "XREADGROUP" else 1
+    words = [a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in args]
+    at = next((i for i in range(start, len(words)) if words[i].upper() == "STREAMS"), None)
+    if at is None:
         return None
     rest = args[at + 1:]
     return tuple(rest[: len(rest) // 2]) or None

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from kvtier.bus.cancel import raise_if_cancelling
 from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
-from kvtier.bus.failures import OUTAGE_ERRORS, REDIS_ERRORS
+from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.bus.outages import OutageLedger
 from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
@@ -139,20 +139,17 @@ class Consumer:
                         await self._read_new()
                     failures = 0
                     continue
-                except OUTAGE_ERRORS as e:  # first: CLUSTERDOWN is also a ResponseError
-                    self.stats.redis_errors += 1
-                    self._log.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
-                except ResponseError as e:
-                    if not str(e).startswith("NOGROUP"):
+                except REDIS_ERRORS as e:
+                    if is_outage(e):  # first: CLUSTERDOWN is also a ResponseError
                         self.stats.redis_errors += 1
-                        self._log.error("bus.redis_error", error=str(e), exc_info=True)
-                    else:
+                        self._log.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
+                    elif isinstance(e, ResponseError) and str(e).startswith("NOGROUP"):
                         # The group (and its PEL) is gone; redo the whole start-up procedure.
                         self._log.warning("bus.nogroup", error=str(e))
                         recovered = False
-                except REDIS_ERRORS as e:
-                    self.stats.redis_errors += 1
-                    self._log.error("bus.redis_error", error=str(e), exc_info=True)
+                    else:
+                        self.stats.redis_errors += 1
+                        self._log.error("bus.redis_error", error=str(e), exc_info=True)
                 except Exception as e:  # last: see bus/failures.py (a library's bug must not end the bus)
                     self.stats.redis_errors += 1
                     self._log.error("bus.unexpected_error", error=f"{type(e).__name__}: {e}", exc_info=True)
@@ -246,8 +243,9 @@ class Consumer:
                     counts = await self._delivery_counts(stream, entries) if counted else None
                     for entry_id, fields in entries:
                         await self._handle_one(stream, entry_id, fields, counts, done, dead, lost)
-            except OUTAGE_ERRORS:  # the whole batch comes back: not its entries' fault
-                self.outages.record(lost | self._ids(batches), {}, [])
+            except REDIS_ERRORS as e:
+                if is_outage(e):  # the whole batch comes back: not its entries' fault
+                    self.outages.record(lost | self._ids(batches), {}, [])
                 raise
             if self._after_batch is not None:
                 try:
@@ -272,12 +270,13 @@ class Consumer:
         handled, dead_count = sum(map(len, acks.values())), len(dead)
         if handled:
             self._failpoints.reached("after_xadd")
-        if isinstance(failed, OUTAGE_ERRORS):
+        if is_outage(failed):
             lost.update(self._ids(batches))
         try:
             await self._settler.flush(acks, dead)
-        except OUTAGE_ERRORS:  # nothing was settled
-            self.outages.record(lost | self._ids(batches), {}, [])
+        except REDIS_ERRORS as e:
+            if is_outage(e):  # nothing was settled
+                self.outages.record(lost | self._ids(batches), {}, [])
             raise
         self.outages.record(lost, acks, dead)  # once per delivery; acked and dead-lettered ones are settled
         if failed is not None:
@@ -322,7 +321,7 @@ class Consumer:
             return
         except Exception as e:
             # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
-            if isinstance(e, OUTAGE_ERRORS):
+            if is_outage(e):
                 lost.add((stream, entry_id))
             self.stats.handler_errors += 1
             self._log.error("bus.handler_error", stream=stream, id=entry_id, exc_info=True)

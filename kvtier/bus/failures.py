@@ -8,13 +8,30 @@ master going down would crash the code that meant to count a miss.
 
 from __future__ import annotations
 
-from redis.exceptions import ClusterDownError, ConnectionError, RedisClusterException, RedisError, TimeoutError
+from redis.exceptions import (
+    ClusterDownError,
+    ConnectionError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+    TimeoutError,
+)
 
 REDIS_ERRORS = (RedisError, RedisClusterException)
 # The ones that mean Redis (or the master serving the key) is unreachable for now, rather than
-# that it refused the command: a retry later can succeed. BusyLoadingError is a ConnectionError;
-# CLUSTERDOWN (a slot without a master, during a failover) is transient too.
-OUTAGE_ERRORS = (ConnectionError, TimeoutError, ClusterDownError, RedisClusterException)
+# that it refused the command: a retry later can succeed. BusyLoadingError and
+# MasterNotFoundError (Sentinel) are ConnectionErrors; CLUSTERDOWN (a slot without a master,
+# during a failover) and a slot missing from the client's map are transient too.
+OUTAGE_ERRORS = (ConnectionError, TimeoutError, ClusterDownError, SlotNotCoveredError)
+
+
+def is_outage(e: object) -> bool:
+    """An outage error, or the cluster client's "cannot be connected" (a RedisClusterException
+    raised from the connection error of the last node it tried). Other RedisClusterExceptions
+    (cross-slot keys, no node for a command) are the command's fault, not an outage."""
+    if isinstance(e, OUTAGE_ERRORS):
+        return True
+    return isinstance(e, RedisClusterException) and isinstance(e.__cause__, ConnectionError | TimeoutError)
 
 # Loops that must outlive any one failure (the bus consumers, the daemon's chores) also catch
 # `Exception` last: when one task's command meets CLUSTERDOWN, redis-py's cluster client closes

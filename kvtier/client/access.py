@@ -27,6 +27,7 @@ class AccessReports:
         self._log = log
         self._access: dict[str, tuple[list[BlockKey], list[int]]] = {}
         self._flusher: asyncio.Task[None] | None = None
+        self._sending: asyncio.Event | None = None  # set while no flush is publishing
 
     def note(self, pool: str, keys: Sequence[BlockKey], missed: int) -> None:
         got, miss = self._access.setdefault(pool, ([], [0]))
@@ -38,6 +39,13 @@ class AccessReports:
     async def _flush_later(self) -> None:
         await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
         await self.flush()
+
+    async def take_in_order(self) -> list[tuple[str, Access]]:
+        """`take`, once any flush already publishing has landed: the reports then go ahead of
+        the caller's next event in order, whichever connection each travels on."""
+        if self._sending is not None:
+            await self._sending.wait()
+        return self.take()
 
     def take(self) -> list[tuple[str, Access]]:
         """The pending reports, taken to be sent now: by `flush`, or ahead of a prefetch in the
@@ -56,10 +64,16 @@ class AccessReports:
         items = self.take()
         if not items:
             return
+        if self._sending is None:
+            self._sending = asyncio.Event()
+            self._sending.set()
+        self._sending.clear()
         try:
             await self._publisher.publish_many(items)
         except REDIS_ERRORS as e:
             self.lost(e)
+        finally:
+            self._sending.set()
 
     async def close(self) -> None:
         """Send what is pending. Let an in-flight report finish rather than cancel it half-sent."""

@@ -323,7 +323,7 @@ class Client:
         self.pool(pool)
         bkeys = tuple(check_key(k) for k in keys)
         if bkeys:
-            reads = self._access.take()
+            reads = await self._access.take_in_order()
             ask = Prefetch(pool, bkeys, None if parent is None else check_key(parent))
             try:
                 await self._publisher.publish_many([*reads, (self._client_stream, ask)])

@@ -52,6 +52,7 @@ _POOL_COUNTERS = {
     "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
     "redis_redirects": ("kvtier_redis_redirects", "Block commands a Redis Cluster redirected (MOVED, ASK, TRYAGAIN)"),
     "redis_slot_reloads": ("kvtier_redis_slot_reloads", "Cluster slot-map reloads after a master failed a batch"),
+    "redis_skipped": ("kvtier_redis_skipped", "Block commands failed at once: their cluster master is marked down"),
     "resync_missing": ("kvtier_resync_missing", "Local blocks the re-replication sweep found missing in Redis"),
     "resync_copies": ("kvtier_resync_copies", "Blocks the re-replication sweep wrote to Redis again"),
 }

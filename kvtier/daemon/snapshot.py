@@ -34,6 +34,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "redis_errors": rt.redis.stats.errors,
         "redis_redirects": rt.redis.batches.redirects,
         "redis_slot_reloads": rt.redis.batches.reloads,
+        "redis_skipped": rt.redis.batches.skipped,
         "resync_missing": rt.counters.resync_missing,
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,

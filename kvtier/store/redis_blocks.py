@@ -94,7 +94,6 @@ class RedisBlocks:
 
     def __init__(self, client: AsyncRedis, pool: str, fingerprint: bytes, block_bytes: int,
                  ttl_s: int, log: Log) -> None:
-        self.client = client
         self.batches = batches_for(client)
         self.pool = pool
         self.fingerprint = fingerprint
@@ -102,20 +101,28 @@ class RedisBlocks:
         self.ttl_s = ttl_s
         self.log = log.bind(pool=pool, tier="redis")
         self.stats = RedisBlockStats()
-        self._delete_if_same = client.register_script(DELETE_IF_SAME)
 
     def name(self, key: bytes) -> str:
         return redis_block_key(self.pool, key)
 
+    async def _one(self, command: tuple[Any, ...]) -> Any:
+        """One command through the batches too (on a cluster: its redirects and its master's
+        health), its reply or the error raised."""
+        (reply,) = await self.batches.run([command])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _ex(self) -> tuple[Any, ...]:
+        return ("EX", self.ttl_s) if self.ttl_s else ()
+
     async def put(self, key: bytes, payload: npt.NDArray[Any], csum: int) -> None:
-        value = pack_block(self.fingerprint, key, payload, csum)
-        await self.client.set(self.name(key), value, ex=self.ttl_s or None)
+        await self._one(("SET", self.name(key), pack_block(self.fingerprint, key, payload, csum), *self._ex()))
 
     async def put_many(self, items: list[tuple[bytes, memoryview]]) -> list[Exception | None]:
         """SET packed values (`seal`), pipelined; per item, None or the error Redis gave (on a
         cluster, a master that is down fails only the items it serves)."""
-        ex = ("EX", self.ttl_s) if self.ttl_s else ()
-        replies = await self.batches.run([("SET", self.name(key), value, *ex) for key, value in items])
+        replies = await self.batches.run([("SET", self.name(key), value, *self._ex()) for key, value in items])
         return [r if isinstance(r, Exception) else None for r in replies]
 
     def new_value(self) -> tuple[memoryview, npt.NDArray[np.uint8]]:
@@ -162,7 +169,7 @@ class RedisBlocks:
 
     async def get(self, key: bytes) -> Verified | None:
         """The verified payload and checksum, or None when absent or corrupt (then deleted)."""
-        raw = await self.client.get(self.name(key))
+        raw = await self._one(("GET", self.name(key)))
         if raw is None:
             return None
         return await self._verified(key, cast(bytes, raw))  # decode_responses=False: never str
@@ -180,12 +187,12 @@ class RedisBlocks:
         self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
         try:
             digest = hashlib.sha1(raw, usedforsecurity=False).hexdigest()
-            await self._delete_if_same(keys=[self.name(key)], args=[digest])
+            await self._one(("EVAL", DELETE_IF_SAME, 1, self.name(key), digest))  # a rare path: no EVALSHA cache
         except REDIS_ERRORS as de:
             self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
 
     async def delete(self, key: bytes) -> bool:
-        return bool(await self.client.delete(self.name(key)))
+        return bool(await self._one(("DEL", self.name(key))))
 
     async def exists(self, keys: list[bytes]) -> list[bool | Exception]:
         """Per key, whether Redis holds it, or the error that kept it from answering."""

@@ -325,3 +325,56 @@ async def test_sentinel_failover_resumes_service_without_a_restart(daemon_factor
     for d in (a, b):
         assert d.alive and d.stop() == 0
         assert d.pool_stats()["redis_corrupt"] == 0
+
+
+async def test_a_hung_master_costs_misses_not_the_other_masters_service(daemon_factory, cluster):
+    """A master that answers nothing (SIGSTOP): its blocks time out once, then are failed at once
+    while it stays marked down (store/master_health.py); the others' blocks arrive byte-exact; once
+    it answers again, its blocks are read too."""
+    victim = cluster.masters()[0]
+    a = daemon_with_bus(daemon_factory, cluster, False, victim, node="a", cpu=64, extra=THROUGH)
+    b = daemon_with_bus(daemon_factory, cluster, False, victim, node="b", cpu=64)
+    rc = cluster.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        chains = await put_chains(ca, 8, seed=9)
+        every = [k for keys, _ in chains for k in keys]
+        await async_wait_until(lambda: in_redis(rc, every), timeout=20, message="written through")
+        hung = [k for k in every if cluster.owner_of(redis_block_key("t", k)) is victim]
+        served = [k for k in every if k not in hung]
+        assert hung and served
+        kv_of = {k: kv[i] for keys, kv in chains for i, k in enumerate(keys)}
+        out = torch.empty((1, *SHAPE), dtype=torch.float16)
+        cluster.hang(victim)
+        try:
+            await cb.prefetch("t", every)
+            await async_wait_until(lambda: all(cb.lookup("t", [k]).length for k in served), timeout=30,
+                                   message="the other masters' blocks, with one master hung")
+            for k in served:
+                assert await cb.get("t", [k], out) == 1 and same_bytes(out[0], kv_of[k])
+            assert not any(cb.lookup("t", [k]).length for k in hung)
+
+            async def skipped_once_marked_down() -> bool:
+                await cb.prefetch("t", hung[:1])  # each failure keeps the master marked down longer
+                return b.pool_stats()["redis_skipped"] > 0
+
+            await async_wait_until(skipped_once_marked_down, timeout=60, interval=0.2,
+                                   message="pulls from the hung master failed at once, not after a timeout")
+            assert b.pool_stats()["tiers"]["cpu"]["failed"] >= len(hung)
+        finally:
+            cluster.hang(victim, False)
+        await async_wait_until(lambda: _pulled(cb, hung), timeout=30, interval=0.2,
+                               message="the master answers again: its blocks arrive")
+        for k in hung:
+            assert await cb.get("t", [k], out) == 1 and same_bytes(out[0], kv_of[k])
+    for d in (a, b):
+        assert d.alive and d.stop() == 0
+        assert d.pool_stats()["redis_corrupt"] == 0
+    rc.close()
+
+
+async def _pulled(client: Client, keys) -> bool:
+    """Ask for the keys again (a failed pull is not retried by itself); whether all are here."""
+    missing = [k for k in keys if not client.lookup("t", [k]).length]
+    if missing:
+        await client.prefetch("t", missing)
+    return not missing

@@ -4,6 +4,7 @@ master, move slots under load, wait for replication."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import redis
@@ -26,6 +27,12 @@ def wait_replicated(connect: Callable[[], redis.Redis], timeout: float = 10.0) -
 
 
 class RedisCluster(LocalCluster):
+    def hang(self, node: ClusterNode, hung: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) the node: it keeps its sockets but answers nothing, as a hung
+        server or a dead route does."""
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGSTOP if hung else signal.SIGCONT)
+
     def owner_of(self, key: str | bytes) -> ClusterNode:
         """The running master that serves `key`'s slot now."""
         slot = key_slot(key.encode() if isinstance(key, str) else key)

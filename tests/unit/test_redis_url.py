@@ -60,3 +60,14 @@ def test_passwords_are_redacted_in_every_form():
     assert redact_url("redis+sentinel://s:1/m?sentinel_password=secret&x=1") == \
         "redis+sentinel://s:1/m?sentinel_password=***&x=1"
     assert redact_url("redis://h:1/0?password=secret") == "redis://h:1/0?password=***"
+
+
+def test_an_ipv6_first_seed_keeps_its_brackets_in_the_node_url():
+    from redis.asyncio.connection import parse_url
+
+    t = parse_redis_url("redis+cluster://[::1]:7000,10.0.0.2:7001")
+    assert t.nodes[0] == ("::1", 7000) and t.node_url == "redis://[::1]:7000/0"
+    assert parse_url(t.node_url)["host"] == "::1" and parse_url(t.node_url)["port"] == 7000
+    s = parse_redis_url("redis+sentinel://[fe80::1]/kv")
+    assert s.node_url == "redis://[fe80::1]:26379/0"
+    assert parse_redis_url(cluster_url("redis://[::1]:7000")).node_url == "redis://[::1]:7000/0"
