@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import Publisher
 from kvtier.client.results import ClientStats
-from kvtier.core.events import Access
+from kvtier.core.events import Access, RemoteRead
 from kvtier.keys import BlockKey
 from kvtier.logs import Log
 
@@ -26,6 +26,7 @@ class AccessReports:
         self._stats = stats
         self._log = log
         self._access: dict[str, tuple[list[BlockKey], list[int]]] = {}
+        self._remote: list[RemoteRead] = []  # chains read straight from Redis
         self._flusher: asyncio.Task[None] | None = None
         self._sending: asyncio.Event | None = None  # set while no flush is publishing
 
@@ -33,6 +34,14 @@ class AccessReports:
         got, miss = self._access.setdefault(pool, ([], [0]))
         got.extend(keys)
         miss[0] += missed
+        self._flush_soon()
+
+    def note_remote(self, pool: str, keys: Sequence[BlockKey], head_parent: BlockKey | None) -> None:
+        """A chain read straight from Redis: the daemon may bring it up (core/policy.py)."""
+        self._remote.append(RemoteRead(pool, tuple(keys), head_parent))
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -40,20 +49,23 @@ class AccessReports:
         await asyncio.sleep(ACCESS_FLUSH_S)  # batch the reads of the next few milliseconds
         await self.flush()
 
-    async def take_in_order(self) -> list[tuple[str, Access]]:
+    async def take_in_order(self) -> list[tuple[str, Access | RemoteRead]]:
         """`take`, once any flush already publishing has landed: the reports then go ahead of
         the caller's next event in order, whichever connection each travels on."""
         if self._sending is not None:
             await self._sending.wait()
         return self.take()
 
-    def take(self) -> list[tuple[str, Access]]:
+    def take(self) -> list[tuple[str, Access | RemoteRead]]:
         """The pending reports, taken to be sent now: by `flush`, or ahead of a prefetch in the
         same round trip, so that the daemon learns of these reads (which end their blocks'
         prefetch leases) before the new prefetch asks for leases of its own."""
         batches, self._access = self._access, {}
-        return [(self._stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
-                if keys or miss[0]]
+        remote, self._remote = self._remote, []
+        items: list[tuple[str, Access | RemoteRead]] = [
+            (self._stream, Access(pool, tuple(keys), miss[0])) for pool, (keys, miss) in batches.items()
+            if keys or miss[0]]
+        return items + [(self._stream, r) for r in remote]
 
     def lost(self, error: Exception) -> None:
         # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.

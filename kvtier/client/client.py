@@ -25,6 +25,7 @@ from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.client.access import AccessReports
 from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.client.pools import ClientPool, host_rows, map_pools
+from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup, PutResult
 from kvtier.core.events import Prefetch, Put, StagedBlock, Tier
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
@@ -50,7 +51,7 @@ STREAM_MAXLEN = 100_000
 class Client:
     def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: AsyncRedis,
                  staging_blocks: int, log: Log, copy_threads: int | None = None,
-                 blocks_redis: AsyncRedis | None = None) -> None:
+                 blocks_redis: AsyncRedis | None = None, remote_timeout: float = 2.0) -> None:
         copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         if copy_threads < 1:
             raise BadRequest(f"copy_threads must be at least 1, got {copy_threads}")
@@ -72,6 +73,7 @@ class Client:
         self.pools = map_pools(desc, self.node, daemon_uid, staging_blocks)
         self.stats = ClientStats()
         self._access = AccessReports(self._publisher, self._client_stream, self.stats, self.log)
+        self._remote = RemoteReads(self._blocks, desc["redis"], remote_timeout, self.stats, self.log)
         self._next_check = time.monotonic() + DESCRIPTOR_CHECK_S
 
     def _follow_restarts(self) -> None:
@@ -98,21 +100,27 @@ class Client:
 
     @classmethod
     async def connect(cls, runtime_dir: str | os.PathLike[str] | None = None, *, staging_blocks: int = 32,
-                      socket_timeout: float = 2.0, copy_threads: int | None = None) -> Client:
+                      socket_timeout: float = 2.0, copy_threads: int | None = None,
+                      remote_timeout: float | None = None, blocks_url: str | None = None) -> Client:
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
-        copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop."""
+        copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop.
+        A read-through (`get(..., remote=True)`) gives Redis at most `remote_timeout` seconds
+        (default: socket_timeout) before the local answer stands. `blocks_url` reads blocks
+        (read-through, locate, present) with the client's own credentials instead of the daemon's
+        (the descriptor's URL); the events still go over the daemon's bus."""
         rdir = runtime_dir_for(runtime_dir, os.environ)
         desc, daemon_uid = read_descriptor(rdir)
         if not pid_alive(desc.get("pid")):
             raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
         r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
-        url = desc["redis"].get("url") or desc["redis"]["bus_url"]
+        url = blocks_url or desc["redis"].get("url") or desc["redis"]["bus_url"]
         blocks = None if url == desc["redis"]["bus_url"] and not is_cluster(r) else make_blocks_redis(
             url, socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
         try:
-            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks)
+            client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks,
+                         socket_timeout if remote_timeout is None else remote_timeout)
             client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
                             pools=sorted(desc.get("pools", {})), pid=os.getpid())
             return client
@@ -124,6 +132,7 @@ class Client:
 
     async def close(self) -> None:
         await self._access.close()
+        await self._remote.aclose()
         for p in self.pools.values():
             p.close()
         if self._copier is not None:
@@ -199,21 +208,63 @@ class Client:
 
     # --- get -----------------------------------------------------------------------------------
 
-    async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor) -> int:
+    async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False) -> int:
         """Copy the leading blocks of `keys` into out[0..n) (CPU or CUDA tensor [>=len(keys), *block_shape]).
         Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
-        rows from n on may hold bytes of copies that failed verification or came after a miss."""
+        rows from n on may hold bytes of copies that failed verification or came after a miss.
+
+        `remote=True` (read-through, client/remote.py): the leading blocks this node holds come
+        from shared memory, and the rest of the leading run straight from Redis into `out`,
+        verified; the daemon hears of those reads and may bring the blocks up. It never waits for
+        room in a local tier, and a Redis outage costs at most `remote_timeout` seconds."""
         p = self.pool(pool)
         bkeys = [check_key(k) for k in keys]
         p.check_tensor(out, len(bkeys), "out")
+        n = await self._get_local(p, bkeys, out, 0)
+        if remote and n < len(bkeys):
+            if self._remote.denied:
+                n += await self._pull(p, bkeys, out, n)
+            else:
+                m = await self._remote.read(p, bkeys, out, n, self._copier_for(len(bkeys) - n, p))
+                if m:
+                    self._access.note_remote(pool, bkeys[n:n + m], bkeys[n - 1] if n else None)
+                elif self._remote.denied:
+                    m = await self._pull(p, bkeys, out, n)
+                n += m
+        self.stats.reads += n
+        self.stats.read_misses += len(bkeys) - n
+        self._access.note(pool, bkeys[:n], len(bkeys) - n)
+        return n
 
+    async def _get_local(self, p: ClientPool, bkeys: list[BlockKey], out: torch.Tensor, start: int) -> int:
+        """The leading run of bkeys[start:] this node holds, copied into out[start:]."""
         def read(share: Sequence[int]) -> list[bool]:
             return [p.read(bkeys[i], out[i]) for i in share]
 
         with p.in_use():
-            ok = await self._copy(read, range(len(bkeys)), len(bkeys) * p.block_bytes,
+            ok = await self._copy(read, range(start, len(bkeys)), (len(bkeys) - start) * p.block_bytes,
                                   threads=1 if out.device.type != "cpu" else None)
-        return self._read_prefix(pool, bkeys, ok)
+        return next((i for i, hit in enumerate(ok) if not hit), len(ok))
+
+    async def _pull(self, p: ClientPool, bkeys: list[BlockKey], out: torch.Tensor, start: int) -> int:
+        """Read-through for credentials that may not read blocks: the daemon pulls them up
+        (prefetch), then a local read, within remote_timeout."""
+        try:
+            await self.prefetch(p.name, bkeys[start:], parent=bkeys[start - 1] if start else None)
+        except REDIS_ERRORS as e:
+            self.stats.event_errors += 1
+            self.log.warning("client.pull_failed", pool=p.name, error=str(e))
+            return 0
+        await self.wait_resident(p.name, bkeys, timeout=self._remote.timeout)
+        return await self._get_local(p, bkeys, out, start)
+
+    def _copier_for(self, blocks: int, p: ClientPool) -> ThreadPoolExecutor | None:
+        """The copy threads for a read-through's verification, once it is big enough for them."""
+        if blocks * p.block_bytes < self.off_loop_bytes:
+            return None
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="kvtier-copy")
+        return self._copier
 
     async def get_with(self, pool: str, keys: Sequence[bytes],
                        copy_out: Callable[[int, npt.NDArray[np.uint8]], object], digest: Callable[[int], int]) -> int:

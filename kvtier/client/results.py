@@ -29,3 +29,6 @@ class ClientStats:
     read_misses: int = 0
     put_dropped: int = 0
     event_errors: int = 0
+    remote_reads: int = 0  # blocks read straight from Redis (get with remote=True)
+    remote_failures: int = 0  # read-throughs cut short by a Redis error or timeout
+    remote_corrupt: int = 0  # values read through that failed verification (deleted)

@@ -23,14 +23,17 @@ T = TypeVar("T")
 
 class SyncClient:
     def __init__(self, runtime_dir: str | os.PathLike[str] | None = None, *, staging_blocks: int = 32,
-                 timeout: float = 30.0, socket_timeout: float = 2.0) -> None:
+                 timeout: float = 30.0, socket_timeout: float = 2.0, remote_timeout: float | None = None,
+                 blocks_url: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-client", daemon=True)
         self._thread.start()
         self._timeout = timeout
         try:
             self._client: Client = self._call(Client.connect(runtime_dir, staging_blocks=staging_blocks,
-                                                               socket_timeout=socket_timeout))
+                                                               socket_timeout=socket_timeout,
+                                                               remote_timeout=remote_timeout,
+                                                               blocks_url=blocks_url))
         except BaseException:
             self._stop_loop()
             raise
@@ -54,8 +57,10 @@ class SyncClient:
     def locate(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> Lookup:
         return self._call(self._client.locate(pool, keys), timeout)
 
-    def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, timeout: float | None = None) -> int:
-        return self._call(self._client.get(pool, keys, out), timeout)
+    def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False,
+            timeout: float | None = None) -> int:
+        """Client.get; `remote=True` reads the rest of the leading run straight from Redis."""
+        return self._call(self._client.get(pool, keys, out, remote=remote), timeout)
 
     def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, npt.NDArray[np.uint8]], object],
                  digest: Callable[[int], int], *, timeout: float | None = None) -> int:

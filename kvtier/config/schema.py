@@ -62,9 +62,12 @@ class RedisConfig:
     connect_timeout_s: float = setting(number(gt=0), 2.0)
     retries: int = setting(integer(0), 3)
     block_ttl_s: int = setting(integer(0), 86400)
-    # A tier worker sends a batch's Redis reads and writes as pipelines of at most this many
-    # payload bytes each.
-    pipeline_bytes: int = setting(size(), 64 << 20)
+    # Block reads and writes go as pipelines of at most this many payload bytes each, up to
+    # `connections` of them at once (shallow pipelines over a few connections move big values
+    # fastest: docs/performance.md). A tier worker sends what it has queued once it fills every
+    # connection once (pipeline_bytes x connections).
+    pipeline_bytes: int = setting(size(), 8 << 20)
+    connections: int = setting(integer(1, 64), 4)
     # Re-replication (core/resync.py): every resync_interval_s, ask Redis about this many local
     # blocks per pool and write again the ones it lost. 0 turns the sweep off.
     resync_interval_s: float = setting(number(gt=0), 10.0)
@@ -126,6 +129,9 @@ class PolicyConfig:
     redis_write: str = setting(choice("write-back", "write-through"), "write-back", text=True)
     redis_admit_after_hits: int = setting(integer(0), 0)
     prefetch_to: str = setting(choice("cpu", "gpu"), "cpu", text=True)
+    # A block a client read straight from Redis (get with remote=True) this many times is
+    # brought up into cpu, when cpu has room for it (never by waiting). 0 = never.
+    promote_remote_after_reads: int = setting(integer(0), 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Typed events on the bus. Events carry keys and locations only, never block bytes.
 
 Three families (DESIGN.md, "Bus"):
-- client events (inference worker -> daemon): Access, Put, Prefetch;
+- client events (inference worker -> daemon): Access, Put, Prefetch, RemoteRead;
 - tier commands (-> one tier worker's stream): Store, Promote, Demote, Copy, Evict;
 - tier facts (tier worker -> facts stream): Stored, Removed.
 """
@@ -15,8 +15,9 @@ from typing import ClassVar
 from kvtier.keys import BlockKey
 
 # 2: facts carry a typed cause (Cause) and a removed fact its why (Reason | Failure), where 1 had
-# strings such as `promote_failed:verify`; a daemon rejects (dead-letters) the other version's entries.
-SCHEMA_VERSION = 2
+# strings such as `promote_failed:verify`; 3: clients report reads straight from Redis
+# (RemoteRead). A daemon rejects (dead-letters) another version's entries.
+SCHEMA_VERSION = 3
 
 
 class Tier(enum.IntEnum):
@@ -98,6 +99,16 @@ class Prefetch:
     """Bring this chain up to the cpu tier (from Redis) ahead of use."""
 
     TYPE: ClassVar[str] = "prefetch"
+    pool: str
+    keys: tuple[BlockKey, ...]  # one chain: keys[i] is the parent of keys[i + 1]
+    head_parent: BlockKey | None  # the parent of keys[0]; None when keys[0] starts the chain
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRead:
+    """A client read this chain straight from Redis (read-through): the daemon may bring it up."""
+
+    TYPE: ClassVar[str] = "remote_read"
     pool: str
     keys: tuple[BlockKey, ...]  # one chain: keys[i] is the parent of keys[i + 1]
     head_parent: BlockKey | None  # the parent of keys[0]; None when keys[0] starts the chain
@@ -200,9 +211,9 @@ class Removed:
     why: Reason | Failure
 
 
-Event = Access | Put | Prefetch | Store | Promote | Demote | Copy | Evict | Stored | Removed
+Event = Access | Put | Prefetch | RemoteRead | Store | Promote | Demote | Copy | Evict | Stored | Removed
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.TYPE: cls for cls in (Access, Put, Prefetch, Store, Promote, Demote, Copy, Evict, Stored, Removed)
+    cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Store, Promote, Demote, Copy, Evict, Stored, Removed)
 }
 
 

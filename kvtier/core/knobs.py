@@ -25,3 +25,4 @@ class PolicyKnobs:
     redis_write: RedisWrite = RedisWrite.WRITE_BACK
     redis_admit_after_hits: int = 0  # 0: every block may go to Redis
     prefetch_to: Tier = Tier.CPU
+    promote_remote_after_reads: int = 1  # 0: blocks read straight from Redis are never brought up

@@ -26,6 +26,10 @@ Rules (config `[policy]`):
   they are read or the lease runs out, and a move out of a tier chosen before the prefetch is
   called off, so a prefetch into a full tier is not undone before the client gets to read it.
   Leases cover at most half the local slots, so prefetches cannot crowd out blocks being read.
+- A block a client read straight from Redis (read-through, `RemoteRead`) `promote_remote_after_reads`
+  times is promoted into cpu when cpu has a slot for it now (free, or a clean block the worker
+  drops at once), and never waits for one: the client has its bytes already, so bringing them up
+  only helps the next reader. The reads are counted for at most as many blocks as the node holds.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
   Redis restart) cannot shrink a tier's room or pin a block for ever.
@@ -35,6 +39,7 @@ Time is passed in (`now`), never read here.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
@@ -70,6 +75,8 @@ class Placement(Residency):
         # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
         # the fact alone does not say which copy a completed write-back releases.
         self._demoting: dict[tuple[Tier, BlockKey], Tier] = {}
+        # Blocks read straight from Redis and not yet brought up: key -> reads, oldest first.
+        self._remote_reads: OrderedDict[BlockKey, int] = OrderedDict()
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -168,6 +175,34 @@ class Placement(Residency):
                 for t in LOCAL:
                     if (e := self.tiers[t].get(key)) is not None and e.leaving:
                         self._unmark(t, key)
+            parent = key
+        return out
+
+    def on_remote_read(self, keys: Sequence[BlockKey], head_parent: BlockKey | None, now: float) -> list[Command]:
+        """A client read this chain straight from Redis: count the reads, and promote each block
+        read `promote_remote_after_reads` times into cpu if cpu has a slot for it now."""
+        n = self.knobs.promote_remote_after_reads
+        if not n:
+            return []
+        out: list[Command] = []
+        cap = max(1, sum(self.tiers[t].capacity or 0 for t in LOCAL))
+        spares: int | None = None
+        parent = head_parent
+        for key in keys:
+            here = any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL)
+            if not here and key not in self._wanted:
+                reads = self._remote_reads.pop(key, 0) + 1
+                ready = reads >= n
+                if ready and self.room(Tier.CPU) <= 0:  # a clean block the worker may drop makes room
+                    spares = self._clean_spares(Tier.CPU, len(keys)) if spares is None else spares
+                    ready, spares = (True, spares - 1) if spares > 0 else (False, spares)
+                if ready:
+                    out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+                    self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
+                else:  # not read often enough yet, or no room now: the next read asks again
+                    self._remote_reads[key] = reads
+                    while len(self._remote_reads) > cap:
+                        self._remote_reads.popitem(last=False)
             parent = key
         return out
 

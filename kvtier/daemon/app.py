@@ -101,8 +101,7 @@ class Daemon:
             staging = StagingSegments(cfg.node.id, self.log)
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
-                rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis.block_ttl_s,
-                                                    gid, self.log)
+                rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
             self._build_consumers(bus, staging)
             if cfg.metrics.listen:
@@ -167,7 +166,8 @@ class Daemon:
             worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
                                 off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
                                 copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
-                                pipeline_bytes=cfg.redis.pipeline_bytes, failpoints=self.failpoints)
+                                flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections,
+                                failpoints=self.failpoints)
             self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle, worker.flush))
 
     def _consumer(self, bus: AsyncRedis, streams: list[str], role: str,
@@ -202,7 +202,8 @@ class Daemon:
             "node": self.cfg.node.id,
             "pid": os.getpid(),
             "epoch": self.epoch,
-            "redis": {"url": url, "bus_url": bus_url},
+            "redis": {"url": url, "bus_url": bus_url, "pipeline_bytes": self.cfg.redis.pipeline_bytes,
+                      "connections": self.cfg.redis.connections},
             "streams": {"client": self.names.client, "facts": self.names.facts, "dlq": self.names.dlq},
             "shm_gid": gid,
             "pools": {name: rt.descriptor() for name, rt in self.pools.items()},

@@ -12,7 +12,20 @@ import time
 from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.streams import StreamNames
-from kvtier.core.events import Access, Copy, Demote, Evict, Prefetch, Promote, Put, Removed, Store, Stored, Tier
+from kvtier.core.events import (
+    Access,
+    Copy,
+    Demote,
+    Evict,
+    Prefetch,
+    Promote,
+    Put,
+    RemoteRead,
+    Removed,
+    Store,
+    Stored,
+    Tier,
+)
 from kvtier.errors import MalformedEvent
 from kvtier.tiers.pool import PoolRuntime
 
@@ -53,6 +66,9 @@ class Coordinator:
             cmds = rt.placement.on_access(ev.keys, time.monotonic())
         elif isinstance(ev, Prefetch):
             cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent, time.monotonic())
+        elif isinstance(ev, RemoteRead):
+            rt.counters.remote_reads += len(ev.keys)
+            cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
         elif isinstance(ev, (Stored, Removed)):
             cmds = rt.placement.on_fact(ev)
         else:

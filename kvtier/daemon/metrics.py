@@ -46,6 +46,7 @@ _TIER_COUNTERS = {  # TierCounters field -> (metric name, help)
 _POOL_COUNTERS = {
     "hits": ("kvtier_pool_hits", "Blocks clients read from shared memory"),
     "misses": ("kvtier_pool_misses", "Blocks clients asked for past their cached prefix"),
+    "remote_reads": ("kvtier_pool_remote_reads", "Blocks clients read straight from Redis (read-through)"),
     "puts": ("kvtier_pool_puts", "Blocks clients handed over"),
     "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
     "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),

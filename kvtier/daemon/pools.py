@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvtier.config import PolicyConfig, PoolConfig
+from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
@@ -54,11 +54,11 @@ def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log
     return SlotTable.format(seg, Kind.ARENA, n, layout.block_bytes, layout.fingerprint), False
 
 
-def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, ttl_s: int,
+def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
               gid: int | None, log) -> PoolRuntime:
     created: list[ShmSegment] = []  # unlinked again if the pool cannot open completely
     try:
-        return _open_pool(cfg, node, policy, redis_blocks_client, ttl_s, gid, log, created)
+        return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created)
     except BaseException:
         for seg in created:
             seg.close()
@@ -66,7 +66,7 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
         raise
 
 
-def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, ttl_s: int,
+def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
                gid: int | None, log, created: list[ShmSegment]) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
@@ -112,6 +112,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         redis_write=RedisWrite(policy.redis_write),
         redis_admit_after_hits=policy.redis_admit_after_hits,
         prefetch_to=Tier[policy.prefetch_to.upper()],
+        promote_remote_after_reads=policy.promote_remote_after_reads,
     )
     placement = Placement(cfg.name, indices, knobs)  # from here on the one owner of the indices
     table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
@@ -126,7 +127,8 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         layout=layout,
         gpu=gpu_tier,
         cpu=cpu_tier,
-        redis=RedisBlocks(redis_blocks_client, cfg.name, layout.fingerprint, bb, ttl_s, log),
+        redis=RedisBlocks(redis_blocks_client, cfg.name, layout.fingerprint, bb, redis.block_ttl_s, log,
+                          pipeline_bytes=redis.pipeline_bytes, connections=redis.connections),
         directory=directory,
         placement=placement,
         counters=PoolCounters(),

@@ -30,6 +30,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "puts_dropped": rt.counters.puts_dropped,
         "hits": rt.counters.hits,
         "misses": rt.counters.misses,
+        "remote_reads": rt.counters.remote_reads,
         "redis_corrupt": rt.redis.stats.corrupt,
         "redis_errors": rt.redis.stats.errors,
         "redis_redirects": rt.redis.batches.redirects,

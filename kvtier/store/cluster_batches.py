@@ -20,18 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import redis.asyncio.cluster
 from redis.exceptions import AskError, MovedError, RedisClusterException, SlotNotCoveredError, TryAgainError
 
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
-from kvtier.store.commands import Command, Outcome, key_of
+from kvtier.store.bulk_reads import BulkPool, Endpoint, land
+from kvtier.store.commands import GET_INTO, Command, Outcome, bounded_gather, key_of, pipelines, run_part
 from kvtier.store.master_health import MasterHealth, ReloadPacing
 
+BULK_CONNECTIONS = 8  # bulk-read connections kept per master
 MAX_REDIRECTS = 5  # rounds of MOVED/ASK/TRYAGAIN per batch before the redirect is the outcome
 UNCOVERED = ""  # in a round's failures: the command's slot had no master
+Shape: TypeAlias = tuple[int | None, int]  # a batch's pipelines: commands per pipeline, how many at once
 
 
 class ClusterBatches:
@@ -43,16 +48,19 @@ class ClusterBatches:
         self._health = MasterHealth()
         self._pacing = ReloadPacing()
         self._reloading: asyncio.Lock | None = None  # made in the loop that first needs it
+        self._bulk: dict[str, BulkPool] = {}  # per master
 
-    async def run(self, commands: Sequence[Command]) -> list[Outcome]:
+    async def run(self, commands: Sequence[Command], *, per_pipeline: int | None = None,
+                  width: int = 1) -> list[Outcome]:
         if not commands:
             return []
+        shape = (per_pipeline, width)
         out: list[Outcome] = [None] * len(commands)
         try:
             await self.client.initialize()  # a no-op once the slot map is loaded
         except REDIS_ERRORS as e:  # no node reachable
             return [e] * len(commands)
-        failed = await self._round(commands, list(range(len(commands))), out)
+        failed = await self._round(commands, list(range(len(commands))), out, shape)
         if not failed:
             self._pacing.settled()
             return out
@@ -63,7 +71,7 @@ class ClusterBatches:
         again = [i for i, sent_to in failed.items()
                  if (owner := self._owner(commands[i])) not in (None, sent_to) and not self._health.down(owner, now)]
         if again:
-            await self._round(commands, again, out)
+            await self._round(commands, again, out, shape)
         return out
 
     def _owner(self, command: Command) -> str | None:
@@ -73,14 +81,15 @@ class ClusterBatches:
             return None
         return None if node is None else node.name
 
-    async def _round(self, commands: Sequence[Command], todo: list[int], out: list[Outcome]) -> dict[int, str]:
+    async def _round(self, commands: Sequence[Command], todo: list[int], out: list[Outcome],
+                     shape: Shape) -> dict[int, str]:
         """Send `todo`, following redirects, outcomes into `out`. Returns the commands that met an
         outage (or no master), each with the master it was meant for (UNCOVERED: none)."""
         failed: dict[int, str] = {}
         for _ in range(MAX_REDIRECTS):
             asks: dict[tuple[str, int], list[int]] = {}
             again: list[int] = []
-            for i, sent_to in await self._send(commands, todo, out):
+            for i, sent_to in await self._send(commands, todo, out, shape):
                 r = out[i]
                 if isinstance(r, MovedError):  # the slot has moved for good: patch the map, send again
                     await self._moved(r)
@@ -99,7 +108,8 @@ class ClusterBatches:
             todo = again
         return failed
 
-    async def _send(self, commands: Sequence[Command], todo: list[int], out: list[Outcome]) -> list[tuple[int, str]]:
+    async def _send(self, commands: Sequence[Command], todo: list[int], out: list[Outcome],
+                    shape: Shape) -> list[tuple[int, str]]:
         """Each command in `todo` to the master its slot map names, one pipeline per master, all at
         once; outcomes go to `out`. Per command, the master it was meant for."""
         now = time.monotonic()
@@ -116,21 +126,33 @@ class ClusterBatches:
                 sent.append((i, owner))
             else:
                 groups.setdefault(owner, []).append(i)
-        await asyncio.gather(*(self._group(name, commands, idx, out) for name, idx in groups.items()))
+        await asyncio.gather(*(self._master(name, commands, idx, out, shape) for name, idx in groups.items()))
         return sent + [(i, name) for name, idx in groups.items() for i in idx]
 
-    async def _group(self, name: str, commands: Sequence[Command], idx: list[int], out: list[Outcome]) -> None:
-        """One master's share. Redirects are left as outcomes (`allow_redirections=False`)."""
-        pipe = self.client.pipeline(transaction=False)
-        for i in idx:
-            pipe.execute_command(*commands[i])
-        try:
-            replies = await pipe.execute(raise_on_error=False, allow_redirections=False)
-        except Exception as e:  # a Redis error, or another from inside redis-py (bus/failures.py)
-            replies = [e] * len(idx)
-        for i, r in zip(idx, replies):
-            out[i] = r
-        self._judge(name, replies)
+    async def _master(self, name: str, commands: Sequence[Command], idx: list[int], out: list[Outcome],
+                      shape: Shape) -> None:
+        """One master's share, in pipelines of the batch's shape; then judge the master by it."""
+        per_pipeline, width = shape
+        bulk = self._bulk_pool(name)
+        pipe = functools.partial(self.client.pipeline, transaction=False)
+        # Redirects are left as outcomes (`allow_redirections=False`): followed in _round.
+        await bounded_gather(width, [run_part(pipe, {"allow_redirections": False}, bulk, commands, part, out)
+                                     for part in pipelines(idx, per_pipeline)])
+        self._judge(name, [out[i] for i in idx])
+
+    def _bulk_pool(self, name: str) -> BulkPool | None:
+        """The bulk-read connections to this master (store/bulk_reads.py), made on first use."""
+        pool = self._bulk.get(name)
+        if pool is None:
+            node = self.client.get_node(node_name=name)
+            if node is None:
+                return None
+
+            async def endpoint(node: redis.asyncio.cluster.ClusterNode = node) -> Endpoint:
+                return Endpoint.of(node.connection_class(**node.connection_kwargs))
+
+            pool = self._bulk[name] = BulkPool(endpoint, BULK_CONNECTIONS)
+        return pool
 
     def _judge(self, name: str, replies: Sequence[Outcome]) -> None:
         outage = next((r for r in replies if is_outage(r)), None)
@@ -158,12 +180,14 @@ class ClusterBatches:
         try:
             conn = node.acquire_connection()
             try:
-                await conn.send_packed_command(conn.pack_commands(
-                    [part for i in idx for part in (("ASKING",), commands[i])]))
-                for i in idx:
+                # A GET_INTO goes as a plain GET here (ASK is rare: the bytes are landed after).
+                wire = [("GET", commands[i][1]) if commands[i][0] == GET_INTO else commands[i] for i in idx]
+                await conn.send_packed_command(conn.pack_commands([p for c in wire for p in (("ASKING",), c)]))
+                for i, c in zip(idx, wire):
                     await conn.read_response()  # +OK
                     try:
-                        out[i] = await node.parse_response(conn, commands[i][0])
+                        reply = await node.parse_response(conn, c[0])
+                        out[i] = land(reply, commands[i][2]) if commands[i][0] == GET_INTO else reply
                     except REDIS_ERRORS as e:
                         if is_outage(e):
                             raise
@@ -201,3 +225,10 @@ class ClusterBatches:
             self.reloads += 1
             with contextlib.suppress(*REDIS_ERRORS):  # nothing reachable: a later batch asks again
                 await self.client.nodes_manager.initialize()
+            for name in [n for n in self._bulk if self.client.get_node(node_name=n) is None]:
+                self._bulk.pop(name).close()  # a node gone from the map
+
+    async def aclose(self) -> None:
+        for pool in self._bulk.values():
+            pool.close()
+        self._bulk.clear()

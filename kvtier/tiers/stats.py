@@ -41,6 +41,7 @@ class PoolCounters:
     misses: int = 0  # blocks clients asked for past their hit prefix
     puts: int = 0  # blocks clients handed over
     puts_dropped: int = 0  # of those, dropped for want of room or bad staging
+    remote_reads: int = 0  # blocks clients read straight from Redis (read-through)
     resync_missing: int = 0  # local blocks the re-replication sweep found missing in Redis
     resync_copies: int = 0  # of those, copied to Redis again (write-through)
     tiers: dict[str, TierCounters] = field(

@@ -46,7 +46,7 @@ class FactPublisher(Protocol):
 class TierWorker:
     def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging: StagingSegments,
                  publisher: FactPublisher, facts_stream: str, log: FilteringBoundLogger, *,
-                 off_loop_bytes: int = 256 << 10, pipeline_bytes: int = 64 << 20, copy_threads: int = 1,
+                 off_loop_bytes: int = 256 << 10, flush_bytes: int = 32 << 20, copy_threads: int = 1,
                  failpoints: Failpoints | None = None) -> None:
         self.tier = tier
         self.pools = pools
@@ -64,7 +64,7 @@ class TierWorker:
         self._fences: list[tuple[str, BlockKey, tuple[int, int]]] = []  # applied in this batch
         self.off_loop_bytes = off_loop_bytes
         self.failpoints = failpoints or Failpoints()
-        self.pipeline_bytes = pipeline_bytes
+        self.flush_bytes = flush_bytes  # queued Redis and staging bytes that send the batch so far
         self.copy_threads = copy_threads
         self.evictions = Evictions(tier, self.log)
         self.writes = LocalWrites(tier, self.evictions, self.facts, self.failpoints, off_loop_bytes)
@@ -111,7 +111,7 @@ class TierWorker:
         else:
             fact = await self._transfer(rt, ev, t0)
         self.facts.report(rt, fact, t0)
-        if self._staged.nbytes + self._redis.nbytes >= self.pipeline_bytes:
+        if self._staged.nbytes + self._redis.nbytes >= self.flush_bytes:
             await self._drain()
         self.applied.handled(d.envelope)
         self._fences.append((rt.name, ev.key, stamp))

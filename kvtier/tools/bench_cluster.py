@@ -1,9 +1,10 @@
 """`kvtier bench --cluster`: the Redis tier and cross-node pulls on a local Redis Cluster of 1 and
 of 3 masters, each against raw redis-py cluster pipelines of the same bytes, in the same run.
 
-- redis put: GB/s of `RedisBlocks.put_many` (one pipeline per master, concurrently), against raw
-  `RedisCluster.pipeline()` SETs of the same values, the best of 2, 16 and 64 MiB pipelines;
-- redis get: GB/s of the verified `RedisBlocks.get_many`, against raw pipelined GETs (same sizes);
+- redis put: GB/s of `RedisBlocks.put_many` (pipelines per master, several at once), against the
+  best raw `RedisCluster.pipeline()` SETs of the same values over a grid of pipeline depths and
+  connection counts (kvtier/tools/bench_redis.py);
+- redis get: GB/s of the verified `RedisBlocks.get_many`, against the best raw GETs likewise;
 - pull: GB/s of node B's prefetch of node A's chain until resident, then get, against raw
   pipelined GETs of the same values plus a copy into a buffer.
 
@@ -16,7 +17,6 @@ one, for kvtier and for the raw bound alike.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import tempfile
 import time
@@ -27,85 +27,29 @@ import numpy as np
 
 from kvtier.tools.bench import GB, _say, finish, sizes
 from kvtier.tools.bench_env import Env
+from kvtier.tools.bench_redis import best_of
 from kvtier.tools.redis_cluster import LocalCluster
 
-PIPELINE_CHOICES = (2 << 20, 16 << 20, 64 << 20)  # raw bound: the best of these pipeline sizes
 THROUGH = '[policy]\nredis_write = "write-through"\n'
 
 
-async def _timed(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        await fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 async def redis_rows(url: str, layout: dict, n: int, repeat: int) -> dict[str, Any]:
-    """put_many/get_many of n blocks against raw cluster pipelines of the same values."""
+    """put_many/get_many of n blocks against the best raw cluster pipelines of the same values,
+    and how the keys spread over the masters."""
     import redis.asyncio.cluster
-    import structlog
 
     from kvtier.bus.connect import make_blocks_redis, make_redis
-    from kvtier.layout import BlockLayout
-    from kvtier.shm.slots import checksum
-    from kvtier.store.redis_blocks import RedisBlocks
+    from kvtier.tools.bench_redis import redis_tier_vs_raw
 
-    lay = BlockLayout(**layout)
-    bb = lay.block_bytes
-    blocks_client = make_blocks_redis(url, socket_timeout=60, connect_timeout=5, retries=1)
+    res = await redis_tier_vs_raw(url, layout, n, repeat, make_blocks_redis, make_redis)
     raw = make_redis(url, socket_timeout=60, connect_timeout=5, retries=1)
     assert isinstance(raw, redis.asyncio.cluster.RedisCluster)
     try:
-        blocks = RedisBlocks(blocks_client, "bench", lay.fingerprint, bb, 0, structlog.get_logger())
-        rng = np.random.default_rng(3)
-        data = rng.integers(0, 255, (n, bb), dtype=np.uint8)
-        keys = [hashlib.sha256(b"c" + i.to_bytes(4, "little")).digest() for i in range(n)]
-        values = []
-        for k, row in zip(keys, data):
-            value, view = blocks.new_value()
-            view[:] = row
-            values.append(blocks.seal(value, k, checksum(row)))
-        chunk = max(1, (64 << 20) // bb)  # the workers' default pipeline_bytes
-        ok = True
-
-        async def tier_put() -> None:
-            for i in range(0, n, chunk):
-                errors = await blocks.put_many(list(zip(keys[i:i + chunk], values[i:i + chunk])))
-                if any(errors):
-                    raise RuntimeError(f"put_many failed: {next(e for e in errors if e)}")
-
-        async def tier_get() -> None:
-            nonlocal ok
-            for i in range(0, n, chunk):
-                got = await blocks.get_many(keys[i:i + chunk])
-                ok = ok and all(isinstance(g, tuple) and np.array_equal(g[0], row)
-                                for g, row in zip(got, data[i:i + chunk]))
-
-        def raw_round(op: str, per: int):
-            async def run() -> None:
-                for i in range(0, n, per):
-                    pipe = raw.pipeline(transaction=False)
-                    for k, v in zip(keys[i:i + per], values[i:i + per]):
-                        if op == "set":
-                            pipe.set(b"raw:" + k, v)
-                        else:
-                            pipe.get(b"raw:" + k)
-                    await pipe.execute()
-            return run
-
-        t_put = await _timed(tier_put, repeat)
-        t_get = await _timed(tier_get, repeat)
-        raw_put = min([await _timed(raw_round("set", max(1, size // bb)), repeat) for size in PIPELINE_CHOICES])
-        raw_get = min([await _timed(raw_round("get", max(1, size // bb)), repeat) for size in PIPELINE_CHOICES])
-        per_master = [await raw.execute_command("DBSIZE", target_nodes=m) for m in raw.get_primaries()]
-        return {"put_gbps": n * bb / t_put / GB, "get_gbps": n * bb / t_get / GB,
-                "raw_put_gbps": n * bb / raw_put / GB, "raw_get_gbps": n * bb / raw_get / GB,
-                "correct": ok, "keys_per_master": per_master}
+        await raw.initialize()
+        res["keys_per_master"] = [await raw.execute_command("DBSIZE", target_nodes=m) for m in raw.get_primaries()]
     finally:
-        await blocks_client.aclose()
         await raw.aclose()
+    return res
 
 
 async def pull_row(a: Env, b: Env, layout: dict, n: int, repeat: int, url: str) -> dict[str, Any]:
@@ -162,7 +106,7 @@ async def pull_row(a: Env, b: Env, layout: dict, n: int, repeat: int, url: str) 
                         for j, v in enumerate(await pipe.execute()):
                             buf[i + j] = np.frombuffer(v, dtype=np.uint8, count=bb, offset=len(v) - bb)
 
-                out.setdefault("raw_s", []).append(await _timed(raw_pull, 1))
+                out.setdefault("raw_s", []).append(await best_of(raw_pull, 1))
         finally:
             await raw.aclose()
         t, t_raw = min(out.pop("pull_s")), min(out.pop("raw_s"))

@@ -8,8 +8,11 @@ import time
 import uuid
 from pathlib import Path
 
+import redis
+
 from kvtier.processes import die_with_parent, stop_processes
 from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
+from kvtier.tools.redis_cluster import free_port
 
 
 def pool_toml(name: str, layout: dict, device: str, gpu_blocks: int, cpu_blocks: int) -> str:
@@ -27,6 +30,14 @@ cpu_blocks = {cpu_blocks}
 """
 
 
+def _answers(port: int) -> bool:
+    try:
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5) as r:
+            return bool(r.ping())
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+
+
 class Env:
     def __init__(self, layout: dict | None, cpu_blocks: int, workdir: Path, *, device: str = "cpu",
                  gpu_blocks: int = 0, pools_toml: str | None = None, redis_url: str | None = None,
@@ -34,15 +45,18 @@ class Env:
         """A daemon serving pool "b" of `layout` (or the [pools.*] tables in `pools_toml`), on a
         private redis-server, or on `redis_url` when given (a second node sharing the first's)."""
         self.dir = workdir
-        self.sock = workdir / "redis.sock"
         self.redis = None
         if redis_url is None:
+            # TCP on loopback, as Redis is reached across nodes. (A unix socket moved 2 MiB SETs at
+            # well under half the speed here: docs/performance.md.)
+            port = free_port()
             self.redis = subprocess.Popen(
-                ["redis-server", "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm", "700",
-                 "--save", "", "--appendonly", "no", "--dir", str(workdir), "--maxmemory", "0"],
+                ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                 "--dir", str(workdir), "--maxmemory", "0"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            self.wait_for(lambda: self.sock.exists(), "redis-server")
-        self.url = redis_url or f"unix://{self.sock}"
+            self.wait_for(lambda: _answers(port), "redis-server")
+            redis_url = f"redis://127.0.0.1:{port}"
+        self.url = redis_url
         self.node = f"bench-{uuid.uuid4().hex[:8]}"
         self.rdir = workdir / "rt"
         cfg = workdir / "bench.toml"

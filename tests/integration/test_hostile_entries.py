@@ -27,6 +27,7 @@ from kvtier.bus.deadletter import REASON_EXTRA_FIELDS, REASON_MISSING_FIELD
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.client import Client
 from kvtier.core.events import (
+    SCHEMA_VERSION,
     Access,
     Cause,
     Copy,
@@ -37,6 +38,7 @@ from kvtier.core.events import (
     Promote,
     Put,
     Reason,
+    RemoteRead,
     Removed,
     StagedBlock,
     Store,
@@ -57,6 +59,7 @@ EVENTS = [
     Access("p", (K, K), 0),
     Put("p", SEG, (StagedBlock(K, None, 0, 2), StagedBlock(K, K, 1, 2))),
     Prefetch("p", (K,), None),
+    RemoteRead("p", (K, K), K),
     Store("p", Tier.CPU, K, None, SEG, 0, 2),
     Promote("p", K, K, Tier.REDIS, Tier.CPU, -1, 0),
     Demote("p", K, None, Tier.GPU, Tier.CPU, 3, 4),
@@ -115,7 +118,8 @@ def envelope_mutation(draw) -> bytes:
     elif how == "wrong_type":
         body[field] = draw(WRONG_TYPE)
     elif how == "bad_version":
-        env["v"] = draw(st.sampled_from([0, 1, 3, -1, True, 2.0, "2", None, 2**64 - 1]))
+        env["v"] = draw(st.sampled_from([0, SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, -1, True, float(SCHEMA_VERSION),
+                                         str(SCHEMA_VERSION), None, 2**64 - 1]))
     elif how == "unknown_type":
         env["t"] = draw(st.one_of(st.text(max_size=10).filter(lambda s: s not in {w["t"] for w in WIRE}),
                                   INT, st.binary(max_size=5)))

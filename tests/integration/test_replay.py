@@ -38,7 +38,7 @@ from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.streams import StreamNames
 from kvtier.client.pools import ClientPool
-from kvtier.config import PolicyConfig, PoolConfig
+from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Access, Envelope, Evict, Prefetch, Promote, Put, StagedBlock, Tier
 from kvtier.core.fence import CommandFence
 from kvtier.daemon.coordinator import Coordinator
@@ -109,17 +109,17 @@ class Node:
     """One pool's coordinator and tier workers, wired to `Streams`."""
 
     def __init__(self, redis_client, perturb: Perturb | None, off_loop_bytes: int = 256 << 10,
-                 pipeline_bytes: int = 64 << 20) -> None:
+                 flush_bytes: int = 32 << 20) -> None:
         self.node = f"replay-{uuid.uuid4().hex[:10]}"
         log = structlog.get_logger().bind(node=self.node)
-        self.rt = open_pool(POOL, self.node, POLICY, redis_client, 3600, None, log)
+        self.rt = open_pool(POOL, self.node, POLICY, redis_client, RedisConfig(block_ttl_s=3600), None, log)
         pools = {POOL.name: self.rt}
         self.staging = StagingSegments(self.node, log)
         self.names = StreamNames(self.node)
         self.streams = Streams(self.names, epoch=1)
         self.coordinator = coordinator = Coordinator(pools, self.staging, self.streams, self.names, log)
         self.workers = {t: TierWorker(t, pools, self.staging, self.streams, self.names.facts, log,
-                                      off_loop_bytes=off_loop_bytes, pipeline_bytes=pipeline_bytes)
+                                      off_loop_bytes=off_loop_bytes, flush_bytes=flush_bytes)
                         for t in Tier}
         self.consumers = {self.names.client: coordinator, self.names.facts: coordinator,
                           **{self.names.tier(t): w for t, w in self.workers.items()}}
@@ -302,7 +302,7 @@ async def test_duplicated_and_swapped_deliveries_reach_the_original_state(redis_
     """Duplicates in every stream, at once or late (after later entries and later client steps),
     and swapped neighbours in the client and facts streams: exactly the original final state.
     Seed 2 runs every copy in a thread and sends Redis I/O in pipelines of a few blocks."""
-    knobs = {"off_loop_bytes": 0, "pipeline_bytes": 512} if seed == 2 else {}
+    knobs = {"off_loop_bytes": 0, "flush_bytes": 512} if seed == 2 else {}
     await redis_client.flushall()
     log, original, universe = await _original(redis_client, seed, **knobs)
     assert original["gpu"] and original["cpu"] and original["redis"], "the workload should use every tier"

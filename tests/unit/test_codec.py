@@ -24,6 +24,7 @@ from kvtier.core.events import (
     Promote,
     Put,
     Reason,
+    RemoteRead,
     Removed,
     StagedBlock,
     Store,
@@ -47,6 +48,7 @@ EVENTS = [
     Stored("llama-8b", K2, K1, Tier.REDIS, -1, Cause.DEMOTE),
     Removed("llama-8b", K2, Tier.CPU, Cause.DEMOTE, Failure.NO_ROOM),
     Removed("llama-8b", K3, Tier.GPU, Cause.EVICT, Reason.MAKE_ROOM),
+    RemoteRead("llama-8b", (K2, K3), head_parent=K1),
 ]
 
 

@@ -356,3 +356,38 @@ def test_clean_victim_skips_leased_blocks() -> None:
     assert p.clean_victim(Tier.CPU) == k(2)
     p.pressure(NOW + 5)  # expires the lease (nothing to shed)
     assert p.clean_victim(Tier.CPU) == k(1)
+
+
+# --- reads straight from Redis (read-through) ----------------------------------------------------
+def test_blocks_read_straight_from_redis_are_brought_up_into_cpu_when_there_is_room() -> None:
+    p = placement(gpu=4, cpu=4)
+    put(p, Tier.CPU, [1])
+    cmds = p.on_remote_read([k(2), k(3)], head_parent=k(1), now=NOW)
+    assert cmds == [Promote(POOL, k(2), k(1), Tier.REDIS, Tier.CPU, -1, 0),
+                    Promote(POOL, k(3), k(2), Tier.REDIS, Tier.CPU, -1, 0)]
+    assert p.incoming(Tier.CPU) == 2
+    assert p.on_remote_read([k(2), k(3)], head_parent=k(1), now=NOW) == [], "already on their way"
+
+
+def test_remote_reads_promote_after_the_configured_count_and_not_at_all_with_zero() -> None:
+    p = placement(promote_remote_after_reads=2)
+    assert p.on_remote_read([k(5)], None, NOW) == []
+    assert p.on_remote_read([k(5)], None, NOW) == [Promote(POOL, k(5), None, Tier.REDIS, Tier.CPU, -1, 0)]
+    never = placement(promote_remote_after_reads=0)
+    assert all(never.on_remote_read([k(6)], None, NOW) == [] for _ in range(5))
+
+
+def test_remote_reads_never_wait_for_room_but_use_clean_blocks_and_count_while_waiting() -> None:
+    p = placement(gpu=0, cpu=2)
+    put(p, Tier.CPU, [1, 2])  # full, and nothing clean: no promote, nothing left waiting
+    assert p.on_remote_read([k(3)], None, NOW) == [] and p.incoming(Tier.CPU) == 0
+    put(p, Tier.REDIS, [1])  # now block 1 is clean: the worker can drop it for one promote
+    assert p.on_remote_read([k(3), k(4)], None, NOW) == [Promote(POOL, k(3), None, Tier.REDIS, Tier.CPU, -1, 0)]
+
+
+def test_remote_read_counts_are_bounded_by_the_local_capacity() -> None:
+    p = placement(gpu=1, cpu=2, promote_remote_after_reads=3)
+    for i in range(100, 150):
+        p.on_remote_read([k(i)], None, NOW)
+    assert len(p._remote_reads) == 3  # gpu + cpu slots
+    assert list(p._remote_reads) == [k(147), k(148), k(149)], "the oldest counts go first"

@@ -1,0 +1,156 @@
+"""Read-through (issue 14): `get(..., remote=True)` serves a whole prefix, the node's own blocks
+from shared memory and the rest straight from Redis into the caller's tensor, verified; the
+daemon hears of those reads and brings the blocks up. Faults: a corrupt value, a Redis that
+hangs, credentials that may not read blocks."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+import torch
+
+from kvtier.client import Client, SyncClient
+from kvtier.store.redis_blocks import BLK_HDR, redis_block_key
+from tests.support.blocks import SHAPE, make_kv, same_bytes
+from tests.support.fault_proxy import FaultProxy
+from tests.support.waiting import async_wait_until
+
+pytestmark = pytest.mark.integration
+
+THROUGH = '[policy]\nredis_write = "write-through"\n'
+N = 6
+
+
+async def chain_in_redis(client: Client, r, salt: bytes, n: int = N, seed: int = 1):
+    keys = client.block_keys("t", list(range(16 * n)), salt=salt)
+    kv = make_kv(n, seed=seed)
+    assert (await client.put("t", keys, kv)).staged == n
+    await async_wait_until(lambda: all(r.exists(redis_block_key("t", k)) for k in keys), timeout=10,
+                           message="written through")
+    return keys, kv
+
+
+async def test_a_prefix_held_elsewhere_is_read_straight_from_redis_then_brought_up(daemon_factory, redis_server):
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys, kv = await chain_in_redis(ca, r, b"far")
+        out = torch.empty((N + 2, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out) == 0, "without remote=True: the local answer"
+        assert await cb.get("t", keys + cb.block_keys("t", list(range(10**5, 10**5 + 32))), out, remote=True) == N
+        assert same_bytes(out[:N], kv)
+        assert cb.stats.remote_reads == N and cb.stats.remote_corrupt == 0
+        # The daemon heard of the reads and brought the blocks up: the next get is local.
+        assert await cb.wait_resident("t", keys, timeout=10)
+        out2 = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out2) == N and same_bytes(out2, kv)
+    await async_wait_until(lambda: b.pool_stats().get("remote_reads", 0) >= N, timeout=10,
+                           message="counted by the daemon")
+    assert b.pool_stats()["tiers"]["cpu"]["promoted_in"] >= N
+    r.close()
+
+
+async def test_the_local_head_comes_from_shared_memory_and_the_rest_from_redis(daemon_factory, redis_server):
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys, kv = await chain_in_redis(ca, r, b"mixed")
+        assert (await cb.put("t", keys[:2], kv[:2])).staged == 2  # node B computed the first two itself
+        assert await cb.wait_resident("t", keys[:2], timeout=10)
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out, remote=True) == N and same_bytes(out, kv)
+        assert cb.stats.remote_reads == N - 2, "only the part node B does not hold came from Redis"
+    r.close()
+
+
+async def test_a_corrupt_value_ends_the_prefix_is_counted_and_deleted(daemon_factory, redis_server):
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys, kv = await chain_in_redis(ca, r, b"bad")
+        name = redis_block_key("t", keys[3])
+        value = bytearray(r.get(name))
+        value[BLK_HDR.size + 100] ^= 0xFF  # one flipped payload byte
+        r.set(name, bytes(value))
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out, remote=True) == 3 and same_bytes(out[:3], kv[:3])
+        assert cb.stats.remote_corrupt == 1
+        assert not r.exists(name), "the corrupt value was deleted"
+    r.close()
+
+
+async def test_a_hung_redis_costs_at_most_the_remote_timeout_and_the_local_answer_stands(daemon_factory,
+                                                                                         redis_server):
+    """The blocks live behind a proxy that stops answering (url); the bus is elsewhere (bus_url)."""
+    proxy = FaultProxy(upstream_unix=str(redis_server.socket_path)).start()
+    try:
+        a = daemon_factory(node="a", extra=THROUGH)
+        b = daemon_factory(node="b", redis_url=proxy.url, bus_url=redis_server.url)
+        r = redis_server.client()
+        async with await Client.connect(a.runtime_dir) as ca, \
+                await Client.connect(b.runtime_dir, remote_timeout=0.5) as cb:
+            keys, kv = await chain_in_redis(ca, r, b"hung")
+            out = torch.empty((N, *SHAPE), dtype=torch.float16)
+            assert await cb.get("t", keys, out, remote=True) == N, "through the proxy while it passes"
+            assert same_bytes(out, kv)
+            other, kv2 = await chain_in_redis(ca, r, b"hung-2", seed=2)
+            proxy.set("blackhole")
+            assert await cb.get("t", other, out, remote=True) == 0
+            assert cb.stats.remote_failures >= 1
+            proxy.set("pass")
+            await async_wait_until(lambda: _reads_all(cb, other, kv2), timeout=20, message="Redis answers again")
+        r.close()
+    finally:
+        proxy.set("pass")
+        proxy.stop()
+
+
+async def _reads_all(client: Client, keys, kv) -> bool:
+    out = torch.empty((len(keys), *SHAPE), dtype=torch.float16)
+    return await client.get("t", keys, out, remote=True) == len(keys) and same_bytes(out, kv)
+
+
+async def test_credentials_that_may_not_read_blocks_fall_back_to_pulling_with_one_warning(daemon_factory,
+                                                                                          redis_server):
+    admin = redis_server.client()
+    admin.acl_setuser("engine-ro", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-get"])
+    try:
+        a = daemon_factory(node="a", extra=THROUGH)
+        b = daemon_factory(node="b")
+        blocks_url = f"unix://engine-ro:pw@{redis_server.socket_path}"
+        with structlog.testing.capture_logs() as logged:  # the client library logs through structlog here
+            async with await Client.connect(a.runtime_dir) as ca, \
+                    await Client.connect(b.runtime_dir, blocks_url=blocks_url) as cb:
+                keys, kv = await chain_in_redis(ca, admin, b"acl")
+                out = torch.empty((N, *SHAPE), dtype=torch.float16)
+                assert await cb.get("t", keys, out, remote=True) == N and same_bytes(out, kv)
+                keys2, kv2 = await chain_in_redis(ca, admin, b"acl-2", seed=2)
+                assert await cb.get("t", keys2, out, remote=True) == N and same_bytes(out, kv2)
+                assert cb.stats.remote_reads == 0, "nothing was read through: it was pulled"
+        denied = [e for e in logged if e["event"] == "client.remote_read_denied"]
+        assert len(denied) == 1 and "NOPERM" in denied[0]["error"], "one clear warning, not one per read"
+    finally:
+        admin.acl_deluser("engine-ro")
+        admin.close()
+
+
+def test_the_sync_client_reads_through_too(daemon_factory, redis_server):
+    import asyncio
+
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+
+    async def put() -> tuple[list[bytes], torch.Tensor]:
+        async with await Client.connect(a.runtime_dir) as ca:
+            return await chain_in_redis(ca, r, b"sync")
+
+    keys, kv = asyncio.run(put())
+    with SyncClient(b.runtime_dir) as sb:
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert sb.get("t", keys, out) == 0
+        assert sb.get("t", keys, out, remote=True) == N and same_bytes(out, kv)
+    r.close()
