@@ -166,12 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
     pf.add_argument("--requests", type=int, default=240, help="requests in the trace (default 240)")
     pf.add_argument("--prefixes", type=int, default=24, help="shared system prompts (default 24)")
-    pf.add_argument("--gpu-blocks", type=int, default=48, help="gpu tier blocks of 2 MiB (default 48)")
-    pf.add_argument("--cpu-blocks", type=int, default=144, help="cpu tier blocks of 2 MiB (default 144)")
+    pf.add_argument("--gpu-blocks", type=int, default=48, help="gpu tier blocks (default 48)")
+    pf.add_argument("--cpu-blocks", type=int, default=144, help="cpu tier blocks (default 144)")
     pf.add_argument("--device", default="cpu", help="gpu tier device: cpu (default), auto or cuda")
-    pf.add_argument("--prefill-tok-s", type=float, default=25_000,
-                    help="cost model: prefill tokens per second of GPU time "
-                         "(default 25,000: Llama-3-8B at 400 TFLOP/s)")
+    pf.add_argument("--layout", choices=("llama8b", "llama70b"), default="llama8b",
+                    help="block layout: Llama-3-8B (2 MiB blocks, default) or a 70B-class model (80 layers, "
+                         "8 kv heads, 128 head dim, bf16: 5 MiB blocks)")
+    pf.add_argument("--prefill-tok-s", type=float, default=None,
+                    help="cost model: prefill tokens per second of GPU time (default: the layout's model at "
+                         "400 TFLOP/s: 25,000 for 8B, 2,857 for 70B)")
+    pf.add_argument("--pull", action="store_true",
+                    help="clients get what Redis holds by prefetch and wait (the pull path), not read-through")
     pf.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
     pf.add_argument("--timeout", type=float, default=900, help="give up after this many seconds (default 900)")
     b.set_defaults(fn=cmd_bench)
@@ -195,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--share", type=int, default=0, help="with --trace: replay requests share, share+shares, ...")
     w.add_argument("--shares", type=int, default=1)
     w.add_argument("--think-s", type=float, default=0.02, help="pause between requests")
+    w.add_argument("--pull", action="store_true",
+                   help="get what Redis holds by prefetch and wait (the pull path) instead of read-through")
+    w.add_argument("--compute-tok-s", type=float, default=0.0,
+                   help="wait for the prefill of the blocks missed at this many tokens/s before putting them")
     w.set_defaults(fn=cmd_demo_worker)
     return ap
 

@@ -16,7 +16,7 @@ from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.shm.segment import ShmSegment
-from kvtier.shm.slots import Kind, SlotTable, checksum
+from kvtier.shm.slots import Kind, SlotTable
 from kvtier.shm.staging import StagingWriter
 
 TORCH_DTYPES = {
@@ -148,21 +148,8 @@ class ClientPool:
 
     def _read_device(self, payload: torch.Tensor, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
         """Read a block of a real GPU pool (`payload`: its IPC mapping) into dst (flat uint8, any
-        device). The bytes verified are the caller's own copy, brought back to the host after
-        the copy has finished: any client can write the IPC mapping, so checking the source
-        instead would leave a window between the check and the copy. The seqlock re-check
-        follows both copies."""
-        snap = table.begin_read(slot, key)
-        if snap is None:
-            return False
-        dst.copy_(payload[slot])  # device to device, or a blocking D2H
-        if dst.device.type == "cpu":
-            host = dst.numpy()
-        else:
-            pinned = self._pinned()
-            pinned.copy_(dst)  # blocking: waits for the copy into dst, on the same stream
-            host = pinned.numpy()
-        return table.end_read(slot, snap[0], key) and checksum(host) == snap[1]
+        device): read_device_block."""
+        return read_device_block(payload, table, slot, key, dst)
 
     # --- staging for put ---------------------------------------------------------------------
 
@@ -223,3 +210,18 @@ class ClientPool:
         for table in self.tables.values():
             table.close()
         self.directory.seg.close()
+
+
+def read_device_block(payload: torch.Tensor, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:
+    """A block of a device pool (its headers hold device sums: kvtier/shm/device_sum.py) copied
+    into dst (flat uint8, any device) and verified there, on dst's own device: any client can
+    write the IPC mapping, so it is the caller's own copy that is checked, never the source
+    (which could change between a check and the copy). The seqlock re-check follows the copy."""
+    from kvtier.shm.device_sum import device_sum
+
+    snap = table.begin_read(slot, key)
+    if snap is None:
+        return False
+    dst.copy_(payload[slot])  # device to device (queued), or a blocking D2H
+    ok = device_sum(dst) == snap[1]  # syncs: the copy is complete before the seqlock re-check
+    return table.end_read(slot, snap[0], key) and ok

@@ -32,3 +32,4 @@ class ClientStats:
     remote_reads: int = 0  # blocks read straight from Redis (get with remote=True)
     remote_failures: int = 0  # read-throughs cut short by a Redis error or timeout
     remote_corrupt: int = 0  # values read through that failed verification (deleted)
+    remote_s: float = 0.0  # time spent reading through from Redis

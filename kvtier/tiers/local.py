@@ -62,24 +62,48 @@ class LocalTier:
             return None
         import torch  # only on the CUDA path
 
-        torch.from_numpy(out).copy_(self.device_payload[slot])  # a blocking D2H, straight into out
-        # Clients can write a CUDA IPC mapping: verify the bytes before they travel further down.
-        if not self.table.end_read(slot, snap[0], key) or checksum(out) != snap[1]:
+        from kvtier.shm.device_sum import device_sum
+
+        # Clients can write a CUDA IPC mapping: the bytes that travel on are a copy verified on
+        # the device (the header holds the device sum), then brought back to the host, where the
+        # next tier's checksum (xxh3) is made of what arrived.
+        scratch = self._scratch()
+        scratch.copy_(self.device_payload[slot])
+        if device_sum(scratch) != snap[1]:
             return None
-        return snap[1]
+        torch.from_numpy(out).copy_(scratch)  # a blocking D2H, straight into out
+        if not self.table.end_read(slot, snap[0], key):
+            return None
+        return checksum(out)
+
+    def _scratch(self) -> Any:
+        """A block's room on the pool's device, private to this call: reads and fills run in
+        several copy threads at once. (torch's caching allocator makes this cheap.)"""
+        import torch  # only on the CUDA path
+
+        return torch.empty_like(self.device_payload[0])
 
     # The slot side of a write, around the Placement's reserve and commit: `fill` (or `fill_from`)
     # touches only the reserved slot, so it may run off the event loop; `publish` lists the
     # committed block in the client directory, `discard` empties the slot of a failed write.
 
     def fill(self, e: Entry, data: np.ndarray, csum: int) -> None:
+        """Write a block verified as `csum` (xxh3) into the reserved slot."""
         if self.device_payload is None:
             self.table.write(e.slot, e.key, data, Flags.VALID, csum, e.parent)
         else:
             import torch  # only on the CUDA path
 
+            from kvtier.shm.device_sum import device_sum
+
+            # A CUDA pool's headers hold the device sum of the verified data (csum), taken on a
+            # private scratch copy: a client writing the slot through its IPC mapping meanwhile
+            # cannot get its bytes summed in.
+            scratch = self._scratch()
+            scratch.copy_(torch.from_numpy(data))
+            csum = device_sum(scratch)
             g = self.table.begin_write(e.slot)
-            self.device_payload[e.slot].copy_(torch.from_numpy(data))
+            self.device_payload[e.slot].copy_(scratch)
             self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
 
     def fill_from(self, e: Entry, read: Callable[[np.ndarray], int | None]) -> int | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvloop
 
 from kvtier.tools.bench import GB, _say, finish, sizes
 from kvtier.tools.bench_env import Env
@@ -119,7 +120,7 @@ def run_masters(masters: int, layout: dict, n: int, repeat: int, tmp: Path) -> d
     bb = BlockLayout(**layout).block_bytes
     with LocalCluster.serving(tmp, masters=masters) as cluster:
         _say(f"{masters} master(s): redis tier against raw cluster pipelines, {n} blocks of {bb / (1 << 20):.2f} MiB")
-        res = asyncio.run(redis_rows(cluster.url, layout, n, repeat))
+        res = uvloop.run(redis_rows(cluster.url, layout, n, repeat))  # the daemon's loop
         _say(f"{masters} master(s): node B pulls node A's {n}-block chain")
         for node in ("a", "b"):
             (tmp / f"{node}{masters}").mkdir()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.tools.bench_env import Env
-from kvtier.tools.bench_redis import GB, raw_best
+from kvtier.tools.bench_redis import GB, raw_get_copy_gbps
 
 CHAIN = 32
 THROUGH = '[policy]\nredis_write = "write-through"\n'
@@ -57,33 +57,11 @@ async def _measure(a: Env, b: Env, layout: dict, chain: int, repeat: int) -> dic
             ok = ok and n == chain and bool(np.array_equal(out.view(torch.uint8).reshape(chain, bb).numpy(), data))
         raw = make_redis(a.url, socket_timeout=60, connect_timeout=5, retries=1)
         try:
-            names = [redis_block_key("b", k).encode() for k in chains[0]]
-            values = [v for v in await raw.mget(names)]
-            shape = await raw_best(raw, "get", names, values, len(values[0]), repeat)
-            dst = out.view(torch.uint8).reshape(chain, bb).numpy()
-
-            async def get_and_copy() -> None:
-                depth, conns = shape["depth"], shape["connections"]
-
-                async def worker(idx: list[int]) -> None:
-                    for i in range(0, len(idx), depth):
-                        pipe = raw.pipeline(transaction=False)
-                        for j in idx[i:i + depth]:
-                            pipe.get(names[j])
-                        for j, v in zip(idx[i:i + depth], await pipe.execute()):
-                            np.copyto(dst[j], np.frombuffer(v, dtype=np.uint8, offset=len(v) - bb))
-
-                await asyncio.gather(*(worker(list(range(c, chain, conns))) for c in range(conns)))
-
-            t_raw = float("inf")
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                await get_and_copy()
-                t_raw = min(t_raw, time.perf_counter() - t0)
+            bound = await raw_get_copy_gbps(raw, [redis_block_key("b", k).encode() for k in chains[0]], bb, repeat)
         finally:
             await raw.aclose()
-        return {"gbps": chain * bb / best / GB, "bound_gbps": chain * bb / t_raw / GB, "blocks": chain,
-                "bound_shape": {"depth": shape["depth"], "connections": shape["connections"]}, "correct": ok}
+        return {"gbps": chain * bb / best / GB, "bound_gbps": bound["gbps"], "blocks": chain,
+                "bound_shape": {"depth": bound["depth"], "connections": bound["connections"]}, "correct": ok}
 
 
 def cross_node_row(url: str, layout: dict, repeat: int, workdir: Path, chain: int = CHAIN) -> dict[str, Any]:

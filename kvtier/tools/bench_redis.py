@@ -71,6 +71,31 @@ async def raw_best(r: Any, op: str, names: list[bytes], values: list[memoryview]
             "grid": {f"{d}x{c}": round(g, 3) for g, d, c in tried}}
 
 
+async def raw_get_copy_gbps(r: Any, names: list[bytes], payload_bytes: int, repeat: int) -> dict[str, Any]:
+    """The bound of a read-through: raw GETs of these values in redis-py's best shape for them,
+    each payload copied into a destination already paged in, as an engine's buffer is."""
+    values = list(await r.mget(names))
+    if any(v is None for v in values):
+        raise RuntimeError("raw GET bound: a value is gone")
+    shape = await raw_best(r, "get", names, values, len(values[0]), repeat)
+    depth, conns = shape["depth"], shape["connections"]
+    dst = np.ones((len(names), payload_bytes), dtype=np.uint8)
+
+    async def worker(idx: list[int]) -> None:
+        for i in range(0, len(idx), depth):
+            pipe = r.pipeline(transaction=False)
+            for j in idx[i:i + depth]:
+                pipe.get(names[j])
+            for j, v in zip(idx[i:i + depth], await pipe.execute()):
+                np.copyto(dst[j], np.frombuffer(v, dtype=np.uint8, offset=len(v) - payload_bytes))
+
+    async def run() -> None:
+        await asyncio.gather(*(worker(list(range(c, len(names), conns))) for c in range(conns)))
+
+    t = await best_of(run, repeat)
+    return {"gbps": len(names) * payload_bytes / t / GB, "depth": depth, "connections": conns}
+
+
 async def redis_tier_vs_raw(url: str, layout: dict, n: int, repeat: int, make_client: Callable[..., Any],
                             make_raw: Callable[..., Any]) -> dict[str, Any]:
     """RedisBlocks.put_many, and its verified fetch copied into place, of n blocks in one call

@@ -26,8 +26,20 @@ from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 READY_TIMEOUT_S = 30.0
 
 
-def expected_block(key: bytes, nbytes: int) -> np.ndarray:
-    return np.frombuffer(np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(nbytes), dtype=np.uint8)
+PATTERN_BYTES = 4093  # prime: a copy shifted by any offset but a multiple of it mismatches
+
+
+def expected_block(key: bytes, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
+    """A block's bytes, a function of its key: a key-seeded random run of PATTERN_BYTES, repeated.
+    Cheap to make (a tile, not nbytes of random numbers): on a 2-core machine, the clients'
+    checking must not take the CPU the measured paths need. `into` is filled instead of a new array."""
+    run = np.frombuffer(np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(PATTERN_BYTES),
+                        dtype=np.uint8)
+    out = np.empty(nbytes, dtype=np.uint8) if into is None else into
+    whole = nbytes // PATTERN_BYTES * PATTERN_BYTES
+    out[:whole].reshape(-1, PATTERN_BYTES)[:] = run
+    out[whole:] = run[:nbytes - whole]
+    return out
 
 
 def shared_prompts(n: int, seed: int = 1234) -> list[list[int]]:
@@ -95,34 +107,59 @@ async def _worker(args, stop: dict) -> dict:
     prompts = shared_prompts(args.prefixes)
     r = dict(requests=0, blocks=0, local_hits=0, redis_hits=0, via_redis=0, wrong_blocks=0, put_staged=0,
              put_dropped=0, gpu_reads=0, cpu_reads=0, hot_blocks=0, hot_hits=0, cold_blocks=0, cold_hits=0,
-             gpu_at_lookup=0, cpu_at_lookup=0, prefix_s=[], pulls=0, pull_timeouts=0, pull_s=0.0)
+             gpu_at_lookup=0, cpu_at_lookup=0, prefix_s=[], prefix_blocks=[], pulls=0, pull_timeouts=0, pull_s=0.0,
+             ask_s=0.0, asks_empty=0, attempt_s=0.0)
     max_blocks = max(len(p) for p in prompts) // 16 + 4
     out = torch.empty((max_blocks, *pool.shape), dtype=pool.dtype)
+    want = np.empty(bb, dtype=np.uint8)  # what a block read must hold
+    made = np.empty((max_blocks, bb), dtype=np.uint8)  # the blocks "prefilled" and put
     try:
         for req in _requests(args, prompts):
             if stop["now"]:
                 break
             rank = req["prompt"]
             keys = client.block_keys(args.pool, request_tokens(prompts, req), salt=b"demo")
-            t0 = time.perf_counter()  # time to get the cached prefix: lookup, pull from Redis, read
-            found = await client.locate(args.pool, keys)
-            if found.redis_length:
-                # Pull the rest of the prefix up from Redis before reading it.
-                head = keys[found.length - 1] if found.length else None
-                more = keys[found.length : found.length + found.redis_length]
-                t_pull = time.perf_counter()
-                await client.prefetch(args.pool, more, parent=head)
-                if not await client.wait_resident(args.pool, keys[: found.length + len(more)], timeout=1.0):
-                    r["pull_timeouts"] += 1  # read what has arrived; recompute the rest
-                r["pull_s"] += time.perf_counter() - t_pull
-                r["pulls"] += 1
-                r["redis_hits"] += len(more)
-            hit = client.lookup(args.pool, keys)
-            n = await client.get(args.pool, keys, out)
-            if found.length or found.redis_length:  # something was cached: the time to get it
+            t0 = time.perf_counter()  # time to get the cached prefix: lookup, Redis, read
+            if args.pull:
+                found = await client.locate(args.pool, keys)
+                if len(keys) > found.length:  # asking Redis costs time, whatever it answers
+                    asked = time.perf_counter() - t0
+                    r["pull_s"] += asked
+                    if not found.redis_length:
+                        r["ask_s"] += asked
+                        r["asks_empty"] += 1
+                if found.redis_length:
+                    # Pull the rest of the prefix up from Redis before reading it.
+                    head = keys[found.length - 1] if found.length else None
+                    more = keys[found.length : found.length + found.redis_length]
+                    t_pull = time.perf_counter()
+                    await client.prefetch(args.pool, more, parent=head)
+                    if not await client.wait_resident(args.pool, keys[: found.length + len(more)], timeout=1.0):
+                        r["pull_timeouts"] += 1  # read what has arrived; recompute the rest
+                    r["pull_s"] += time.perf_counter() - t_pull
+                    r["pulls"] += 1
+                    r["redis_hits"] += len(more)
+                hit = client.lookup(args.pool, keys)
+                n = await client.get(args.pool, keys, out)
+            else:
+                # Read-through: the local head from shared memory, the rest straight from Redis.
+                found = hit = client.lookup(args.pool, keys)
+                before, spent = client.stats.remote_reads, client.stats.remote_s
+                n = await client.get(args.pool, keys, out, remote=True)
+                asked = client.stats.remote_s - spent  # the time spent reading from Redis
+                r["pull_s"] += asked
+                if client.stats.remote_reads > before:
+                    r["pulls"] += 1
+                    r["redis_hits"] += client.stats.remote_reads - before
+                elif n < len(keys):  # Redis was asked and had nothing to add
+                    r["ask_s"] += asked
+                    r["asks_empty"] += 1
+            r["attempt_s"] += time.perf_counter() - t0  # every request's, also those that found nothing
+            if n:  # something was cached: the time to get it
                 r["prefix_s"].append(time.perf_counter() - t0)
+                r["prefix_blocks"].append([hit.length, n - hit.length])  # local at lookup, the rest from Redis
             for i in range(n):
-                if not np.array_equal(out[i].view(torch.uint8).reshape(-1).numpy(), expected_block(keys[i], bb)):
+                if not np.array_equal(out[i].view(torch.uint8).reshape(-1).numpy(), expected_block(keys[i], bb, want)):
                     r["wrong_blocks"] += 1
             r["gpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "gpu")
             r["cpu_reads"] += sum(1 for t in hit.tiers[:n] if t.label == "cpu")
@@ -138,14 +175,21 @@ async def _worker(args, stop: dict) -> dict:
             if band:
                 r[f"{band}_blocks"] += len(prompts[rank]) // 16
                 r[f"{band}_hits"] += min(n, len(prompts[rank]) // 16)
+            if n < len(keys) and args.compute_tok_s:
+                # The GPU prefills the rest meanwhile: the client waits that long (the cost model's
+                # rate), as an engine does, rather than put it back at once.
+                await asyncio.sleep((len(keys) - n) * 16 / args.compute_tok_s)
             if n < len(keys):  # "prefill" the rest and hand it to the daemon
-                fresh = np.stack([expected_block(k, bb) for k in keys[n:]])
+                fresh = made[:len(keys) - n]
+                for j, k in enumerate(keys[n:]):
+                    expected_block(k, bb, fresh[j])
                 kv = torch.from_numpy(fresh).view(pool.dtype).reshape(len(keys) - n, *pool.shape)
                 res = await client.put(args.pool, keys[n:], kv, parent=keys[n - 1] if n else None)
                 r["put_staged"] += res.staged
                 r["put_dropped"] += res.dropped
             await asyncio.sleep(args.think_s)  # think time; also leaves the 2-core machine to the daemon
     finally:
+        r["remote_failures"] = client.stats.remote_failures
         await client.close()
     return r
 

@@ -291,3 +291,19 @@ def test_redis_urls_are_checked_by_the_parser_and_shown_redacted(tmp_path: Path)
     problems = problems_of(write(tmp_path, POOL), {"KVTIER__REDIS__URL": "redis+cluster://:hunter2@h:1/5"})
     assert problems == ["redis.url: a Redis Cluster has only database 0; got 'redis+cluster://:***@h:1/5'"
                         " (set by KVTIER__REDIS__URL)"]
+
+
+def test_example_config_documents_every_key() -> None:
+    """config/kvtier.toml is the reference: every key the schema has appears there, set or as a
+    commented-out example, so a new knob cannot ship undocumented."""
+    text = EXAMPLE.read_text()
+    data = config_to_dict(load_config(EXAMPLE, {}))
+    missing = []
+    for section, values in data.items():
+        if section == "pools":
+            values = next(iter(values.values()))
+        if not isinstance(values, dict):
+            continue
+        missing += [f"{section}.{k}" for k in values
+                    if not any(line.lstrip("# ").startswith(f"{k} =") for line in text.splitlines())]
+    assert missing == []
