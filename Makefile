@@ -7,18 +7,23 @@ STAMP       = $(VENV)/.kvtier-installed
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN    = $(VLLM_VENV)/bin
 VLLM_STAMP  = $(VLLM_VENV)/.kvtier-installed
+# SGLang's HiCache classes (sglang --no-deps on torch 2.13.0+cpu) in theirs: tests/sglang runs there.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_BIN   = $(SGLANG_VENV)/bin
+SGLANG_STAMP = $(SGLANG_VENV)/.kvtier-installed
 
-.PHONY: run test test-vllm check setup setup-vllm redis-server test-tools clean
+.PHONY: run test test-vllm test-sglang check setup setup-vllm setup-sglang redis-server test-tools clean
 
 run: $(STAMP) redis-server
 	$(BIN)/kvtier demo
 
 # Every part always runs; the target fails if any does.
-test: $(STAMP) $(VLLM_STAMP) redis-server test-tools
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) redis-server test-tools
 	@status=0; \
 	scripts/check-code.sh $(VENV) || status=1; \
 	echo "$(BIN)/python -m pytest -q"; $(BIN)/python -m pytest -q || status=1; \
 	echo "$(VLLM_BIN)/python -m pytest -q tests/vllm"; $(VLLM_BIN)/python -m pytest -q tests/vllm || status=1; \
+	echo "$(SGLANG_BIN)/python -m pytest -q tests/sglang"; $(SGLANG_BIN)/python -m pytest -q tests/sglang || status=1; \
 	exit $$status
 
 check: $(STAMP)
@@ -31,6 +36,11 @@ setup: $(STAMP) redis-server
 
 setup-vllm: $(VLLM_STAMP) redis-server
 
+test-sglang: $(SGLANG_STAMP) redis-server test-tools
+	$(SGLANG_BIN)/python -m pytest -q tests/sglang
+
+setup-sglang: $(SGLANG_STAMP) redis-server
+
 $(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh
 	PYTHON=$(PYTHON) scripts/setup-venv.sh $(VENV)
 	touch $(STAMP)
@@ -39,6 +49,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh
 	PYTHON=$(PYTHON) scripts/setup-vllm-venv.sh $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
+$(SGLANG_STAMP): pyproject.toml constraints.txt scripts/setup-sglang-venv.sh
+	PYTHON=$(PYTHON) scripts/setup-sglang-venv.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
+
 redis-server:
 	@scripts/ensure-redis-server.sh
 
@@ -46,4 +60,4 @@ test-tools:
 	@scripts/ensure-test-tools.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .hypothesis

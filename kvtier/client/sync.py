@@ -78,6 +78,11 @@ class SyncClient:
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
 
+    @property
+    def node(self) -> str:
+        """The node id of the daemon this client follows."""
+        return self._client.node
+
     def daemon_alive(self) -> bool:
         """Whether the daemon this client follows (the descriptor's pid) is running."""
         self._client._follow_restarts()

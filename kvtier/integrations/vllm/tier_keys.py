@@ -17,20 +17,22 @@ Why not kvtier's own `root_key(fingerprint, salt)` + `chain_keys`: those hash to
 secondary tier never sees tokens, only vLLM's hashes. Hashing the offload key under the namespace
 keeps the property that matters: equal chunks from equal deployments meet on every node (the
 function is deterministic and process-independent), anything else never shares a key (SHA-256,
-length-prefixed fields). Pure functions: no I/O, no state.
+length-prefixed fields). Pure functions: no I/O, no state. The hashing itself:
+kvtier/integrations/namespaced_keys.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
 from typing import TYPE_CHECKING
+
+from kvtier.integrations.namespaced_keys import KeyMapper as NamespacedKeys
+from kvtier.integrations.namespaced_keys import namespace_bytes
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 DOMAIN = b"kvtier/vllm-tier/v1"
+__all__ = ["DOMAIN", "KeyMapper", "namespace_bytes", "namespace_fields"]
 
 
 def namespace_fields(spec: OffloadingSpec, chunk_bytes: int, salt: str | None = None) -> dict:
@@ -48,24 +50,10 @@ def namespace_fields(spec: OffloadingSpec, chunk_bytes: int, salt: str | None = 
             "salt": salt}
 
 
-def namespace_bytes(fields: dict) -> bytes:
-    """Canonical JSON: sorted keys, no whitespace, so equal fields give equal bytes everywhere."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-
-class KeyMapper:
+class KeyMapper(NamespacedKeys):
     """Maps vLLM `OffloadKey`s (bytes) to 32-byte kvtier keys under one namespace."""
 
-    __slots__ = ("namespace", "_prefix")
+    __slots__ = ()
 
     def __init__(self, namespace: bytes) -> None:
-        self.namespace = namespace
-        self._prefix = hashlib.sha256(DOMAIN + struct.pack("<I", len(namespace)) + namespace)
-
-    def __call__(self, offload_key: bytes) -> bytes:
-        h = self._prefix.copy()
-        h.update(struct.pack("<I", len(offload_key)) + bytes(offload_key))
-        return h.digest()
-
-    def many(self, offload_keys) -> list[bytes]:
-        return [self(k) for k in offload_keys]
+        super().__init__(DOMAIN, namespace)

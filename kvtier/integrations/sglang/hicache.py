@@ -1,0 +1,358 @@
+"""KvtierHiCacheStorage: kvtier as SGLang's HiCache L3 storage (SGLang 0.5.23's HiCacheStorage).
+
+SGLang builds it through `StorageBackendFactory.create_backend("dynamic", config, host_pool)`,
+which calls `KvtierHiCacheStorage(storage_config, kwargs)`, then `register_mem_pool_host`. One
+SGLang page is one kvtier block of the configured pool: its flat bytes (hicache_pages.py), under
+a key namespaced by model, parallel layout and host layout (hicache_keys.py).
+
+- batch_exists: the leading run this node holds (shared memory), then what Redis holds after it.
+- batch_get / batch_get_v1: local blocks are copied from shared memory straight into SGLang's
+  pages and verified there; with `remote` (the default) the rest of the leading run is read
+  straight from Redis (Client.get(..., remote=True)), verified, then copied into the pages.
+- batch_set / batch_set_v1: pages are copied once, into the client's staging slots; the daemon
+  verifies them and stores them in its tiers (and Redis, by its policy). A page already on this
+  node is not sent again. MLA pages are written only by `is_storage_writer`.
+- Best effort: a daemon that is down, a Redis outage, a timeout or a bad page is a miss (None,
+  False, 0) with a counter and a throttled log line; no call raises into SGLang. The only errors
+  SGLang sees are at attach: a bad extra config, or a pool that cannot hold its pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvtier.client.discovery import library_logger
+from kvtier.client.sync import SyncClient
+from kvtier.errors import UnknownPool
+from kvtier.integrations.counters import Counters, LogThrottle
+from kvtier.integrations.namespaced_keys import KeyMapper
+from kvtier.integrations.sglang import hicache_pages as pages
+from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettings
+from kvtier.integrations.sglang.hicache_keys import key_mapper, namespace_fields, page_key
+from kvtier.integrations.sglang.hicache_link import HiCacheLink, PoolMismatch
+
+T = TypeVar("T")
+
+COUNTERS = (
+    "pages_read_local",  # pages copied from this node's shared memory, verified
+    "pages_read_remote",  # pages read straight from Redis, verified
+    "pages_missed",  # pages asked for and not delivered (absent, corrupt, unreachable)
+    "pages_written",  # pages handed to the daemon
+    "pages_deduped",  # pages already on this node: not sent again
+    "pages_dropped",  # pages not handed over: no staging room in time, or the daemon/Redis down
+    "daemon_unavailable",  # connection attempts that failed
+    "errors",  # calls that failed unexpectedly (answered as misses)
+    "timeouts",  # calls cut short by call_timeout_s
+    "bad_pages",  # values or targets of the wrong size or kind (refused)
+)
+METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
+
+
+def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:
+    want = f"block_tokens = {page_size}" if page_size else "block_tokens = SGLang's --page-size"
+    size = f" and blocks of {page_bytes} bytes" if page_bytes else ""
+    return (f"Serve a pool [pools.{pool}] with {want}{size}: for MHA, layers, kv_heads (per TP rank), "
+            f"head_dim and dtype as SGLang's KV cache (block bytes = 2 x layers x kv_heads x block_tokens x "
+            f"head_dim x dtype size), or any shape of the same bytes. docs/integrations/sglang.md")
+
+
+class KvtierHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.settings, unknown = HiCacheSettings.from_extra(storage_config.extra_config)
+        if getattr(storage_config, "should_split_heads", False):
+            raise ConfigError("kvtier does not store split-head pages (tp_lcm_size with the page_head layout): "
+                              "run every node with the same TP size, or leave tp_lcm_size out")
+        self.log = library_logger().bind(component="sglang_hicache", pool=self.settings.pool,
+                                         tp_rank=storage_config.tp_rank)
+        if unknown:
+            self.log.warning("sglang_hicache.unknown_config_keys", keys=unknown,
+                             detail="not kvtier's or SGLang's; ignored (a typo?)")
+        self.warn = LogThrottle(self.log)
+        self.counters = Counters(COUNTERS)
+        self.writer = bool(storage_config.is_storage_writer)
+        self.mem_pool_host: Any = None
+        # Until SGLang registers its host pool, the layout is what the config says and the page
+        # geometry is the kvtier pool's (register checks that the two agree).
+        self._layout = "page_first" if storage_config.is_page_first_layout else "layer_first"
+        self._page_size: int | None = None
+        self._page_bytes: int | None = None
+        self._mapper: KeyMapper | None = None
+        self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
+                                                  ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
+                                                   "backup_bandwidth")}
+        self.link = HiCacheLink(self.settings, self.log, self.counters, self._check_pool)
+        self.link.connect(first=True)  # a daemon that is down is not an error; a wrong pool is
+
+    # --- geometry and keys -----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's host pool: its page size and bytes must be the pool's (else the attach fails)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._layout = str(getattr(mem_pool_host, "layout", self._layout))
+        self._page_size = int(mem_pool_host.page_size)
+        self._page_bytes = pages.host_page_bytes(mem_pool_host)
+        self._mapper = None
+        client = self.link.client()
+        if client is not None:
+            self._check_pool(client)  # PoolMismatch: SGLang's attach fails with the reason
+        self.log.info("sglang_hicache.host_pool", layout=self._layout, page_size=self._page_size,
+                      page_bytes=self._page_bytes)
+
+    def _check_pool(self, client: SyncClient) -> None:
+        try:
+            p = client.pool(self.settings.pool)
+        except UnknownPool as e:
+            raise PoolMismatch(f"kvtier pool {self.settings.pool!r} is not served by the daemon ({e}). "
+                               + pool_help(self.settings.pool, self._page_size, self._page_bytes)) from e
+        if self._page_size is not None and p.layout.block_tokens != self._page_size:
+            raise PoolMismatch(f"SGLang's page size is {self._page_size} tokens but kvtier pool "
+                               f"{self.settings.pool!r} has block_tokens = {p.layout.block_tokens}; they must be "
+                               "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
+        if self._page_bytes is not None and p.block_bytes != self._page_bytes:
+            raise PoolMismatch(f"SGLang's pages are {self._page_bytes} bytes but kvtier pool "
+                               f"{self.settings.pool!r} holds blocks of {p.block_bytes} bytes; they must be "
+                               "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
+
+    def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
+        if self._mapper is None:
+            p = client.pool(self.settings.pool)
+            size = self._page_size if self._page_size is not None else p.layout.block_tokens
+            nbytes = self._page_bytes if self._page_bytes is not None else p.block_bytes
+            self._mapper = key_mapper(namespace_fields(self.storage_config, layout=self._layout, page_size=size,
+                                                       page_bytes=nbytes, salt=self.settings.salt))
+        return [page_key(self._mapper, k) for k in keys]
+
+    def _parent(self, client: SyncClient, extra_info: Any) -> bytes | None:
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if prefix:
+            return self._keys(client, [prefix[-1]])[0]
+        return None
+
+    # --- the safety net --------------------------------------------------------------------------
+
+    def _guard(self, op: str, miss: T, fn: Callable[[SyncClient], T]) -> T:
+        """fn(client), or `miss` when the daemon is down or anything goes wrong (counted, logged)."""
+        client = self.link.client()
+        if client is None:
+            return miss
+        try:
+            return fn(client)
+        except TimeoutError:
+            self.counters.add("timeouts")
+            self.warn.warning("sglang_hicache.timeout", op=op, timeout_s=self.settings.call_timeout_s)
+            self.link.lost(client)
+        except (TypeError, ValueError) as e:
+            self.counters.add("bad_pages")
+            self.warn.warning("sglang_hicache.bad_request", op=op, error=str(e))
+        except Exception as e:  # the engine must never fail because of its cache
+            self.counters.add("errors")
+            self.warn.warning("sglang_hicache.call_failed", op=op, error=f"{type(e).__name__}: {e}")
+            self.link.lost(client)
+        return miss
+
+    # --- exists ------------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The length of the leading run of `keys` present: on this node, then in Redis."""
+        if not keys:
+            return 0
+
+        def run(client: SyncClient) -> int:
+            kk = self._keys(client, keys)
+            if not self.settings.remote:
+                return client.lookup(self.settings.pool, kk).length
+            found = client.locate(self.settings.pool, kk, timeout=self.settings.call_timeout_s)
+            return found.length + found.redis_length
+
+        return self._guard("batch_exists", 0, run)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- get ---------------------------------------------------------------------------------------
+
+    def _read(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8]) -> int:
+        """Blocks kk -> the byte views dst (flat or page-shaped); how many leading ones landed,
+        verified. Local ones straight from shared memory, the rest of the run from Redis."""
+        pool = self.settings.pool
+        t = self.settings.call_timeout_s
+        n = client.get_with(pool, kk, lambda i, src: pages.copy_in(dst[i], src), lambda i: pages.digest(dst[i]),
+                            timeout=t)
+        self.counters.add("pages_read_local", n)
+        if n < len(kk) and self.settings.remote:
+            p = client.pool(pool)
+            scratch = torch.empty((len(kk) - n, *p.shape), dtype=p.dtype)
+            m = client.get(pool, kk[n:], scratch, remote=True, timeout=t)
+            rows = pages.tensor_bytes(scratch[:m]).reshape(m, -1) if m else None
+            for j in range(m):
+                assert rows is not None
+                pages.copy_in(dst[n + j], rows[j])
+            self.counters.add("pages_read_remote", m)
+            n += m
+        self.counters.add("pages_missed", len(kk) - n)
+        return n
+
+    def _page_targets(self, client: SyncClient, count: int, targets: Sequence[Any] | None) -> list[torch.Tensor]:
+        if targets is not None:
+            if len(targets) != count:
+                raise ValueError(f"{count} keys but {len(targets)} target locations")
+            return list(targets)
+        p = client.pool(self.settings.pool)
+        return [torch.empty(p.block_bytes // p.dtype.itemsize, dtype=p.dtype) for _ in range(count)]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Each key's page in its target tensor (a flat host page), or None from the first miss on."""
+        misses: list[torch.Tensor | None] = [None] * len(keys)
+        if not keys:
+            return misses
+        t0 = time.perf_counter()
+
+        def run(client: SyncClient) -> list[torch.Tensor | None]:
+            targets = self._page_targets(client, len(keys), target_locations)
+            views = [pages.tensor_bytes(t).reshape(-1) for t in targets]
+            size = client.pool(self.settings.pool).block_bytes
+            usable = next((i for i, v in enumerate(views) if v.size != size), len(views))
+            if usable < len(views):
+                self.counters.add("bad_pages")
+                self.warn.warning("sglang_hicache.bad_target", bytes=int(views[usable].size), page_bytes=size)
+            n = self._read(client, self._keys(client, keys[:usable]), views[:usable]) if usable else 0
+            self.counters.add("pages_missed", len(keys) - usable)
+            self._note("prefetch", n, t0)
+            return [targets[i] if i < n else None for i in range(len(keys))]
+
+        return self._guard("batch_get", misses, run)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Zero-copy: pages land in the host pool at host_indices (page i at host_indices[i * page_size])."""
+        misses = [False] * len(keys)
+        if not keys:
+            return misses
+        t0 = time.perf_counter()
+
+        def run(client: SyncClient) -> list[bool]:
+            views = self._host_views(keys, host_indices)
+            n = self._read(client, self._keys(client, keys), views)
+            self._note("prefetch", n, t0)
+            return [i < n for i in range(len(keys))]
+
+        return self._guard("batch_get_v1", misses, run)
+
+    def _host_views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[pages.U8]:
+        host = self.mem_pool_host
+        if host is None:
+            raise ValueError("the zero-copy calls need SGLang's host pool (register_mem_pool_host first)")
+        ps = int(host.page_size)
+        idx = host_indices.tolist()
+        if len(idx) < len(keys) * ps:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * ps} host indices, got {len(idx)}")
+        return [pages.page_view(host, int(idx[i * ps])) for i in range(len(keys))]
+
+    # --- set ---------------------------------------------------------------------------------------
+
+    def _write(self, client: SyncClient, kk: list[bytes], fill: Callable[[int, pages.U8], object],
+               parent: bytes | None) -> int:
+        """Hand blocks to the daemon; how many leading ones were taken (already here counts)."""
+        pool = self.settings.pool
+        done = client.lookup(pool, kk).length  # content-addressed: a page here already is not sent
+        self.counters.add("pages_deduped", done)
+        deadline = time.monotonic() + self.settings.save_wait_s
+        while done < len(kk):
+            res = client.put_with(pool, kk[done:], lambda i, dst, off=done: fill(off + i, dst),
+                                  parent=kk[done - 1] if done else parent, timeout=self.settings.call_timeout_s)
+            self.counters.add("pages_written", res.staged)
+            done += res.staged
+            if done == len(kk) or time.monotonic() >= deadline or not client.daemon_alive():
+                break
+            time.sleep(0.002)  # staging full: the daemon frees slots as it stores them
+        self.counters.add("pages_dropped", len(kk) - done)
+        return done
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat host pages; True only if every one was handed over."""
+        if not keys:
+            return True
+        if not self.writer:
+            return True  # MLA: another rank (is_storage_writer) writes these pages
+        t0 = time.perf_counter()
+
+        def run(client: SyncClient) -> bool:
+            if values is None or len(values) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {0 if values is None else len(values)} values")
+            size = client.pool(self.settings.pool).block_bytes
+            src = [pages.flat_bytes(v) for v in values]
+            bad = next((i for i, s in enumerate(src) if s.size != size), None)
+            if bad is not None:
+                raise ValueError(f"page {bad} is {src[bad].size} bytes, the pool's blocks are {size}")
+            n = self._write(client, self._keys(client, keys), lambda i, dst: pages.copy_out(dst, src[i]), None)
+            self._note("backup", n, t0)
+            return n == len(keys)
+
+        return self._guard("batch_set", False, run)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Zero-copy: each page is copied once, from the host pool into a staging slot."""
+        if not keys:
+            return []
+        if not self.writer:
+            return [True] * len(keys)
+        t0 = time.perf_counter()
+
+        def run(client: SyncClient) -> list[bool]:
+            views = self._host_views(keys, host_indices)
+            n = self._write(client, self._keys(client, keys), lambda i, dst: pages.copy_out(dst, views[i]),
+                            self._parent(client, extra_info))
+            self._note("backup", n, t0)
+            return [i < n for i in range(len(keys))]
+
+        return self._guard("batch_set_v1", [False] * len(keys), run)
+
+    # --- stats, clear, close -------------------------------------------------------------------------
+
+    def _note(self, kind: str, n: int, t0: float) -> None:
+        if n and self.storage_config.enable_storage_metrics:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            self._metrics[f"{kind}_pgs"].append(n)
+            self._metrics[f"{kind}_bandwidth"].append(n * (self._page_bytes or 0) / dt / 1e9)
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """This backend's counters, and whether its daemon is reachable."""
+        return {**self.counters.snapshot(), "connected": self.link.client() is not None,
+                "pool_mismatch": self.link.mismatch or None}
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages per call, GB/s) since the last call, when SGLang has them."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # its import chain needs the whole engine (torchvision, ...)
+            return None
+        m = StorageMetrics()
+        for name, q in self._metrics.items():
+            getattr(m, name).extend(q)
+            q.clear()
+        return m
+
+    def clear(self) -> bool:
+        """kvtier's blocks are shared with every node and engine of the same namespace, so an
+        engine's clear does not delete them: they age out by the tiers' LRU and Redis's policy.
+        Returns False: nothing was removed, so SGLang keeps what it knows of the storage."""
+        self.warn.warning("sglang_hicache.clear_ignored",
+                          detail="pages are shared with other nodes; they leave by LRU, not by an engine's clear")
+        return False
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,82 @@
+"""Copies between SGLang's host pages and kvtier blocks. numpy and torch only: no SGLang, no I/O.
+
+A kvtier block holds one SGLang page as the bytes SGLang's generic path moves: the flat page of
+`host_pool.get_data_page(index)` (for the MHA page_first layout, K of every token and layer,
+then V). The zero-copy path reads and writes the same bytes in place, through the host pool's
+own page view (`get_data_page(index, flat=False)`, a view into its kv_buffer), so the two paths
+are interchangeable and never disagree on a page's bytes. A page is verified where it landed:
+xxh3 over the view's contiguous runs, in order, equals xxh3 over the flat bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.shm.slots import checksum_parts
+
+U8 = npt.NDArray[np.uint8]
+
+
+def tensor_bytes(t: torch.Tensor) -> U8:
+    """A CPU tensor's bytes as a uint8 array sharing its memory (any dtype, bf16 included; the
+    last dim must be dense). ValueError if it cannot be viewed so."""
+    if t.device.type != "cpu":
+        raise ValueError(f"SGLang host pages are CPU tensors, got one on {t.device}")
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError("a page whose innermost dimension is strided cannot be viewed as bytes")
+    try:
+        return t.view(torch.uint8).numpy()
+    except RuntimeError as e:
+        raise ValueError(f"cannot view the page as bytes: {e}") from e
+
+
+def flat_bytes(t: torch.Tensor) -> U8:
+    """A value SGLang hands to set(): its bytes in order (a copy only if it is not contiguous)."""
+    return tensor_bytes(t.detach().cpu().contiguous().reshape(-1))
+
+
+def runs(a: U8) -> list[U8]:
+    """`a` split into C-contiguous pieces, in index order (one piece when `a` is contiguous)."""
+    if a.flags.c_contiguous:
+        return [a.reshape(-1)]
+    lead = 0
+    while lead < a.ndim and not a[(0,) * (lead + 1)].flags.c_contiguous:
+        lead += 1
+    lead += 1  # a[i0, .., i_lead-1] is contiguous for every index
+    return [a[idx].reshape(-1) for idx in np.ndindex(*a.shape[:lead])]
+
+
+def digest(a: U8) -> int:
+    """xxh3-64 of the bytes of `a` in index order, without gathering them."""
+    return checksum_parts(runs(a))
+
+
+def copy_in(dst: U8, src: U8) -> None:
+    """Block bytes (flat) -> a page view of any strides."""
+    np.copyto(dst, src.reshape(dst.shape))
+
+
+def copy_out(dst: U8, src: U8) -> None:
+    """A page view of any strides -> block bytes (flat)."""
+    np.copyto(dst.reshape(src.shape), src)
+
+
+def page_view(host_pool: Any, index: int) -> U8:
+    """The host pool's page starting at token `index`, as bytes in place (ValueError if its
+    layout gives no such view)."""
+    return tensor_bytes(host_pool.get_data_page(index, flat=False))
+
+
+def host_page_bytes(host_pool: Any) -> int:
+    """Bytes per page of a host pool: what SGLang's generic path moves per page."""
+    per_token = getattr(host_pool, "size_per_token", None)
+    if isinstance(per_token, int) and per_token > 0:
+        return per_token * int(host_pool.page_size)
+    page = host_pool.get_dummy_flat_data_page()
+    return int(page.numel() * page.element_size())
