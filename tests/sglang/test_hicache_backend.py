@@ -252,3 +252,18 @@ def test_bad_pages_are_refused_not_stored(node_factory, backend_factory) -> None
     assert be.batch_exists([b"not-a-str"]) == 0  # type: ignore[list-item]
     assert be.kvtier_stats()["bad_pages"] == 3
     assert be.batch_exists(keys) == 0
+
+
+def test_get_into_strided_targets_lands_in_place(node_factory, backend_factory) -> None:
+    node = node_factory("st")
+    host = host_pool()
+    be = backend_factory(node.runtime_dir, host)
+    keys = chain(2, "strided")
+    vals = page_values(host, 2, seed=10)
+    assert be.batch_set(keys, vals)
+    wait_until(lambda: stored(be, keys), 10)
+    dst = host_pool()
+    targets = [dst.get_data_page(i * PAGE, flat=False) for i in range(2)]  # views into its kv_buffer
+    got = be.batch_get(keys, targets)
+    assert got[0] is targets[0] and got[1] is targets[1]
+    assert all(torch.equal(dst.get_data_page(i * PAGE), vals[i]) for i in range(2))

@@ -217,7 +217,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         def run(client: SyncClient) -> list[torch.Tensor | None]:
             targets = self._page_targets(client, len(keys), target_locations)
-            views = [pages.tensor_bytes(t).reshape(-1) for t in targets]
+            views = [pages.tensor_bytes(t) for t in targets]  # in place, whatever their strides
             size = client.pool(self.settings.pool).block_bytes
             usable = next((i for i, v in enumerate(views) if v.size != size), len(views))
             if usable < len(views):
