@@ -206,6 +206,17 @@ class Client:
             self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
         return [not isinstance(a, Exception) and bool(a) for a in answers]
 
+    async def epoch(self, pool: str, name: str, *, bump: bool = False) -> int:
+        """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix
+        it into their keys: bumping it retires every block written under the old value, on every
+        node at once, without deleting blocks that other namespaces share (they age out by LRU).
+        Blocks are content-addressed, so a reader still on the old value gets older, not wrong,
+        bytes. Redis errors raise."""
+        self.pool(pool)
+        key = f"kvtier:epoch:{pool}:{name}"
+        value = await (self._redis.incr(key) if bump else self._redis.get(key))
+        return int(value or 0)
+
     # --- get -----------------------------------------------------------------------------------
 
     async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False) -> int:

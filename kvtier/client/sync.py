@@ -78,6 +78,10 @@ class SyncClient:
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
 
+    def epoch(self, pool: str, name: str, *, bump: bool = False, timeout: float | None = None) -> int:
+        """Client.epoch."""
+        return self._call(self._client.epoch(pool, name, bump=bump), timeout)
+
     @property
     def node(self) -> str:
         """The node id of the daemon this client follows."""

@@ -3,8 +3,10 @@
 redis-py reads a 2 MiB reply through three copies: the socket into its stream buffer, that into
 hiredis's reader, and that into a new `bytes`; the caller then copies it where it belongs. Here
 an `asyncio.BufferedProtocol` hands the event loop the destination itself, so the kernel's copy
-from the socket is the only one: measured on this 2-core machine, about twice what redis-py's
-own GETs reach (docs/performance.md). Each value goes to two places the caller names: its 92-byte
+from the socket is the only one. On this 2-core machine a cold cross-node read-through (land,
+verify) runs at 1.05-1.4x redis-py's GETs plus the copy into place, and the tier's verified get
+at 1.06-1.08x of redis-py's bare GETs, which land nowhere and verify nothing (docs/performance.md).
+Each value goes to two places the caller names: its 92-byte
 header and its payload (a tensor row, an arena slot, a scratch buffer).
 
 Only what a pipeline of GETs (and the ASKING, AUTH and SELECT around them) can answer is

@@ -267,3 +267,26 @@ def test_get_into_strided_targets_lands_in_place(node_factory, backend_factory) 
     got = be.batch_get(keys, targets)
     assert got[0] is targets[0] and got[1] is targets[1]
     assert all(torch.equal(dst.get_data_page(i * PAGE), vals[i]) for i in range(2))
+
+
+def test_clear_forgets_the_namespace_on_every_node(node_factory, backend_factory) -> None:
+    a, b = node_factory("ca"), node_factory("cb")
+    host = host_pool()
+    be_a = backend_factory(a.runtime_dir, host, model="org/clear")
+    be_b = backend_factory(b.runtime_dir, host_pool(), model="org/clear")
+    other = backend_factory(a.runtime_dir, host_pool(), model="org/kept")
+    keys = chain(4, "clear")
+    vals = page_values(host, 4, seed=11)
+    assert be_a.batch_set(keys, vals) and other.batch_set(keys, vals)
+    wait_until(lambda: be_b.batch_exists(keys) == 4 and stored(other, keys), 15)
+    assert be_a.clear() is True
+    assert be_a.batch_exists(keys) == 0  # at once on the node that cleared
+    wait_until(lambda: be_b.batch_exists(keys) == 0, 10, message="node B follows the new epoch")
+    assert be_b.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]) == [None] * 4
+    assert other.batch_exists(keys) == 4  # another namespace in the same pool is untouched
+    # the namespace fills again after a clear
+    assert be_b.batch_set(keys, vals)
+    wait_until(lambda: be_a.batch_exists(keys) == 4, 15)
+    out = [host.get_dummy_flat_data_page() for _ in keys]
+    assert all(g is not None for g in be_a.batch_get(keys, out))
+    assert all(torch.equal(o, v) for o, v in zip(out, vals))

@@ -12,6 +12,8 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
 - batch_set / batch_set_v1: pages are copied once, into the client's staging slots; the daemon
   verifies them and stores them in its tiers (and Redis, by its policy). A page already on this
   node is not sent again. MLA pages are written only by `is_storage_writer`.
+- clear: bumps the namespace's epoch in Redis (part of every key): its pages are never found
+  again, on any node, and age out; nothing other namespaces share is deleted.
 - Best effort: a daemon that is down, a Redis outage, a timeout or a bad page is a miss (None,
   False, 0) with a counter and a throttled log line; no call raises into SGLang. The only errors
   SGLang sees are at attach: a bad extra config, or a pool that cannot hold its pages.
@@ -19,6 +21,7 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,7 +34,7 @@ from kvtier.client.discovery import library_logger
 from kvtier.client.sync import SyncClient
 from kvtier.errors import UnknownPool
 from kvtier.integrations.counters import Counters, LogThrottle
-from kvtier.integrations.namespaced_keys import KeyMapper
+from kvtier.integrations.namespaced_keys import KeyMapper, namespace_bytes
 from kvtier.integrations.sglang import hicache_pages as pages
 from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettings
 from kvtier.integrations.sglang.hicache_keys import key_mapper, namespace_fields, page_key
@@ -52,6 +55,9 @@ COUNTERS = (
     "bad_pages",  # values or targets of the wrong size or kind (refused)
 )
 METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
+EPOCH_REFRESH_S = 1.0  # how stale a backend's view of its namespace's epoch (clear) may be
+EPOCH_TIMEOUT_S = 0.25  # a slow Redis must not hold a page lookup up for long
+EPOCH_RETRY_S = 5.0  # ... nor every lookup: after a failure, ask again this much later
 
 
 def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:
@@ -83,7 +89,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._layout = "page_first" if storage_config.is_page_first_layout else "layer_first"
         self._page_size: int | None = None
         self._page_bytes: int | None = None
+        self._fields: dict[str, Any] | None = None  # the namespace, once the page geometry is known
         self._mapper: KeyMapper | None = None
+        self._epoch = 0  # clear() bumps it in Redis; every backend of the namespace follows
+        self._epoch_name = ""
+        self._epoch_at = 0.0
         self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
                                                   ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                    "backup_bandwidth")}
@@ -98,7 +108,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._layout = str(getattr(mem_pool_host, "layout", self._layout))
         self._page_size = int(mem_pool_host.page_size)
         self._page_bytes = pages.host_page_bytes(mem_pool_host)
-        self._mapper = None
+        self._fields = self._mapper = None
         client = self.link.client()
         if client is not None:
             self._check_pool(client)  # PoolMismatch: SGLang's attach fails with the reason
@@ -121,13 +131,29 @@ class KvtierHiCacheStorage(HiCacheStorage):
                                "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
 
     def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
-        if self._mapper is None:
+        now = time.monotonic()
+        if self._fields is None:
             p = client.pool(self.settings.pool)
             size = self._page_size if self._page_size is not None else p.layout.block_tokens
             nbytes = self._page_bytes if self._page_bytes is not None else p.block_bytes
-            self._mapper = key_mapper(namespace_fields(self.storage_config, layout=self._layout, page_size=size,
-                                                       page_bytes=nbytes, salt=self.settings.salt))
+            self._fields = namespace_fields(self.storage_config, layout=self._layout, page_size=size,
+                                            page_bytes=nbytes, salt=self.settings.salt)
+            self._epoch_name = hashlib.sha256(namespace_bytes(self._fields)).hexdigest()[:32]
+            self._epoch_at = -EPOCH_REFRESH_S
+        if now - self._epoch_at >= EPOCH_REFRESH_S:
+            self._epoch_at = now
+            try:
+                self._set_epoch(client.epoch(self.settings.pool, self._epoch_name, timeout=EPOCH_TIMEOUT_S))
+            except Exception as e:  # Redis down or slow: the last epoch stands, asked again later
+                self._epoch_at = now + EPOCH_RETRY_S
+                self.warn.warning("sglang_hicache.epoch_unknown", error=f"{type(e).__name__}: {e}", epoch=self._epoch)
+        if self._mapper is None:
+            self._mapper = key_mapper({**self._fields, "epoch": self._epoch})
         return [page_key(self._mapper, k) for k in keys]
+
+    def _set_epoch(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            self._epoch, self._mapper = epoch, None
 
     def _parent(self, client: SyncClient, extra_info: Any) -> bytes | None:
         prefix = getattr(extra_info, "prefix_keys", None)
@@ -347,12 +373,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return m
 
     def clear(self) -> bool:
-        """kvtier's blocks are shared with every node and engine of the same namespace, so an
-        engine's clear does not delete them: they age out by the tiers' LRU and Redis's policy.
-        Returns False: nothing was removed, so SGLang keeps what it knows of the storage."""
-        self.warn.warning("sglang_hicache.clear_ignored",
-                          detail="pages are shared with other nodes; they leave by LRU, not by an engine's clear")
-        return False
+        """Forget every page of this namespace, on every node: bump its epoch in Redis, which is
+        part of every key, so the old pages are never found again (other backends follow within
+        EPOCH_REFRESH_S) and leave by the tiers' LRU and Redis's policy. Pages of other models or
+        layouts sharing the pool are untouched. False if Redis or the daemon cannot be reached."""
+
+        def run(client: SyncClient) -> bool:
+            self._keys(client, [])  # the namespace and its epoch name
+            self._set_epoch(client.epoch(self.settings.pool, self._epoch_name, bump=True,
+                                         timeout=self.settings.call_timeout_s))
+            self._epoch_at = time.monotonic()
+            self.log.info("sglang_hicache.cleared", epoch=self._epoch)
+            return True
+
+        return self._guard("clear", False, run)
 
     def close(self) -> None:
         self.link.close()
