@@ -210,8 +210,9 @@ class Client:
         """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix
         it into their keys: bumping it retires every block written under the old value, on every
         node at once, without deleting blocks that other namespaces share (they age out by LRU).
-        Blocks are content-addressed, so a reader still on the old value gets older, not wrong,
-        bytes. Redis errors raise."""
+        A reader that has not seen the new value yet still finds the old blocks: callers bound
+        that staleness (the SGLang backend reads the value again every second). Redis errors
+        raise."""
         self.pool(pool)
         key = f"kvtier:epoch:{pool}:{name}"
         value = await (self._redis.incr(key) if bump else self._redis.get(key))

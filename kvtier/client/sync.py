@@ -39,11 +39,15 @@ class SyncClient:
             raise
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        # The deadline is kept on the loop (wait_for), not here: a call that times out is cancelled
+        # there and this returns only once it has unwound, so no copy it started can still be
+        # writing into the caller's memory (a tensor, an engine's page) after TimeoutError.
+        t = self._timeout if timeout is None else timeout
+        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, t), self._loop)
         try:
-            return fut.result(self._timeout if timeout is None else timeout)
+            return fut.result()
         except BaseException:
-            fut.cancel()  # timed out or interrupted: do not leave the call running behind our back
+            fut.cancel()  # interrupted (Ctrl-C): do not leave the call running behind our back
             raise
 
     def block_keys(self, pool: str, token_ids: Sequence[int], *, salt: bytes | None = None,

@@ -290,3 +290,75 @@ def test_clear_forgets_the_namespace_on_every_node(node_factory, backend_factory
     out = [host.get_dummy_flat_data_page() for _ in keys]
     assert all(g is not None for g in be_a.batch_get(keys, out))
     assert all(torch.equal(o, v) for o, v in zip(out, vals))
+
+
+def test_hybrid_models_v2_calls_answer_nothing_stored(node_factory, backend_factory) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer, PoolTransferResult
+
+    node = node_factory("v2")
+    be = backend_factory(node.runtime_dir, host_pool())
+    be.register_mem_host_pool_v2(host_pool(), PoolName.MAMBA)  # warned, not refused
+    keys = chain(3, "hybrid")
+    t = PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.arange(3))
+    res = be.batch_exists_v2(keys, [t])
+    assert isinstance(res, PoolTransferResult) and res.kv_hit_pages == 0
+    assert be.batch_get_v2([t]) == {"mamba": [False] * 3}
+    assert be.batch_set_v2([t]) == {"mamba": [False] * 3}
+
+
+def test_no_page_until_the_epoch_is_known(node_factory, backend_factory, tmp_path) -> None:
+    from tests.support.redis_proc import RedisProcess
+
+    with RedisProcess.serving(tmp_path / "r") as redis:
+        node = node_factory("ep", redis_url=redis.url)
+        host = host_pool()
+        redis.stop(kill=True)
+        be = backend_factory(node.runtime_dir, host)  # Redis down: the epoch cannot be read
+        keys = chain(2, "epoch")
+        vals = page_values(host, 2, seed=12)
+        assert be.batch_set(keys, vals) is False and be.batch_exists(keys) == 0
+        assert be.kvtier_stats()["epoch_unknown"] >= 2 and be.kvtier_stats()["errors"] == 0
+        redis.start()
+        wait_until(lambda: be.batch_set(keys, vals), 20, message="stores once the epoch is read")
+        wait_until(lambda: stored(be, keys), 10)
+
+
+def test_prefetch_and_backup_threads_at_once(node_factory, backend_factory) -> None:
+    import threading
+
+    node = node_factory("mt")
+    host = host_pool(pages=64)
+    be = backend_factory(node.runtime_dir, host)
+    vals = page_values(host, 64, seed=13)
+    chains = [chain(8, f"mt{w}") for w in range(4)]
+    expected = {k: vals[w * 8 + i] for w, ks in enumerate(chains) for i, k in enumerate(ks)}
+    problems: list[str] = []
+
+    def writer(w: int) -> None:
+        for _ in range(5):
+            be.batch_set(chains[w], [expected[k] for k in chains[w]])
+
+    def reader(w: int) -> None:
+        for _ in range(20):
+            ks = chains[w % 4]
+            n = be.batch_exists(ks)
+            out = [host.get_dummy_flat_data_page() for _ in ks]
+            got = be.batch_get(ks, out)
+            for k, g in zip(ks, got):
+                if g is not None and not torch.equal(g, expected[k]):
+                    problems.append(f"wrong bytes for {k[:8]}")
+            if n < 0 or n > len(ks):
+                problems.append(f"batch_exists {n}")
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    threads += [threading.Thread(target=reader, args=(w,)) for w in range(4)]
+    threads.append(threading.Thread(target=lambda: [be.clear() for _ in range(3)]))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert problems == []
+    st = be.kvtier_stats()
+    assert st["errors"] == 0 and st["bad_pages"] == 0 and st["pages_written"] > 0
+    assert st["pages_read_local"] > 0  # the readers did read pages (and every one was right)

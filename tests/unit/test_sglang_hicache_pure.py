@@ -122,3 +122,26 @@ def test_tensor_bytes_refuses_what_it_cannot_view() -> None:
     t = torch.zeros((4, 4), dtype=torch.float16)
     with pytest.raises(ValueError):
         pages.tensor_bytes(t.t()[:, :2])  # innermost dim strided
+
+
+def test_host_dtype_and_geometry_change_the_key() -> None:
+    def with_host(**host) -> bytes:
+        m = key_mapper(namespace_fields(Cfg(), layout="page_first", page_size=16, page_bytes=8192, salt=None,
+                                        host={"dtype": "float8_e4m3fn", "layer_num": 2, **host}))
+        return page_key(m, "ab" * 32)
+
+    assert with_host() != with_host(dtype="float8_e5m2") != with_host(layer_num=4)
+    assert with_host() == with_host()
+
+
+def test_model_names_that_differ_only_in_slashes_do_not_meet() -> None:
+    assert key_of(Cfg(model_name="a/b-c")) != key_of(Cfg(model_name="a-b/c"))
+
+
+def test_host_geometry_reads_what_the_pool_says() -> None:
+    class Host:
+        dtype = torch.bfloat16
+        layer_num, head_num, head_dim = 32, 8, 128
+        page_size = 64
+
+    assert pages.host_geometry(Host()) == {"dtype": "bfloat16", "layer_num": 32, "head_num": 8, "head_dim": 128}

@@ -22,13 +22,14 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
 from kvtier.client.discovery import library_logger
 from kvtier.client.sync import SyncClient
@@ -53,11 +54,17 @@ COUNTERS = (
     "errors",  # calls that failed unexpectedly (answered as misses)
     "timeouts",  # calls cut short by call_timeout_s
     "bad_pages",  # values or targets of the wrong size or kind (refused)
+    "epoch_unknown",  # calls answered as misses because the namespace's epoch was never read
 )
 METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
 EPOCH_REFRESH_S = 1.0  # how stale a backend's view of its namespace's epoch (clear) may be
 EPOCH_TIMEOUT_S = 0.25  # a slow Redis must not hold a page lookup up for long
 EPOCH_RETRY_S = 5.0  # ... nor every lookup: after a failure, ask again this much later
+REMOTE_CHUNK = 32  # pages read through per call: bounds the scratch buffer (32 x 8 MiB for Llama-8B at page 64)
+
+
+class EpochUnknown(Exception):
+    """The namespace's epoch is not known yet (Redis unreachable since start): a miss."""
 
 
 def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:
@@ -89,11 +96,16 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self._layout = "page_first" if storage_config.is_page_first_layout else "layer_first"
         self._page_size: int | None = None
         self._page_bytes: int | None = None
-        self._fields: dict[str, Any] | None = None  # the namespace, once the page geometry is known
+        self._host_geometry: dict[str, Any] | None = None
+        # The namespace (once the page geometry is known), its epoch and the mapper built from
+        # both: read by SGLang's prefetch and backup threads at once, so changed under one lock.
+        self._ns_lock = threading.Lock()
+        self._fields: dict[str, Any] | None = None
         self._mapper: KeyMapper | None = None
-        self._epoch = 0  # clear() bumps it in Redis; every backend of the namespace follows
+        self._mapper_epoch = -1
+        self._epoch: int | None = None  # None until read from Redis: no page is served or written
         self._epoch_name = ""
-        self._epoch_at = 0.0
+        self._epoch_next = 0.0
         self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
                                                   ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                    "backup_bandwidth")}
@@ -105,10 +117,21 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang's host pool: its page size and bytes must be the pool's (else the attach fails)."""
         super().register_mem_pool_host(mem_pool_host)
-        self._layout = str(getattr(mem_pool_host, "layout", self._layout))
-        self._page_size = int(mem_pool_host.page_size)
-        self._page_bytes = pages.host_page_bytes(mem_pool_host)
-        self._fields = self._mapper = None
+        page_size, page_bytes = int(mem_pool_host.page_size), pages.host_page_bytes(mem_pool_host)
+        if (self.storage_config.extra_config or {}).get("interface_v1"):
+            try:
+                view = pages.page_view(mem_pool_host, 0)
+            except Exception as e:
+                raise ConfigError(f"SGLang's host layout {getattr(mem_pool_host, 'layout', '?')!r} gives no in-place "
+                                  f"page view ({e}): leave interface_v1 out of the extra config") from e
+            if view.size != page_bytes:
+                raise ConfigError(f"SGLang's host page view is {view.size} bytes, its pages {page_bytes}: leave "
+                                  "interface_v1 out of the extra config")
+        with self._ns_lock:
+            self._layout = str(getattr(mem_pool_host, "layout", self._layout))
+            self._page_size, self._page_bytes = page_size, page_bytes
+            self._host_geometry = pages.host_geometry(mem_pool_host)
+            self._fields, self._mapper = None, None
         client = self.link.client()
         if client is not None:
             self._check_pool(client)  # PoolMismatch: SGLang's attach fails with the reason
@@ -131,29 +154,46 @@ class KvtierHiCacheStorage(HiCacheStorage):
                                "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
 
     def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
-        now = time.monotonic()
-        if self._fields is None:
-            p = client.pool(self.settings.pool)
-            size = self._page_size if self._page_size is not None else p.layout.block_tokens
-            nbytes = self._page_bytes if self._page_bytes is not None else p.block_bytes
-            self._fields = namespace_fields(self.storage_config, layout=self._layout, page_size=size,
-                                            page_bytes=nbytes, salt=self.settings.salt)
-            self._epoch_name = hashlib.sha256(namespace_bytes(self._fields)).hexdigest()[:32]
-            self._epoch_at = -EPOCH_REFRESH_S
-        if now - self._epoch_at >= EPOCH_REFRESH_S:
-            self._epoch_at = now
-            try:
-                self._set_epoch(client.epoch(self.settings.pool, self._epoch_name, timeout=EPOCH_TIMEOUT_S))
-            except Exception as e:  # Redis down or slow: the last epoch stands, asked again later
-                self._epoch_at = now + EPOCH_RETRY_S
-                self.warn.warning("sglang_hicache.epoch_unknown", error=f"{type(e).__name__}: {e}", epoch=self._epoch)
-        if self._mapper is None:
-            self._mapper = key_mapper({**self._fields, "epoch": self._epoch})
-        return [page_key(self._mapper, k) for k in keys]
+        mapper = self._mapper_for(client)  # one mapper for the whole call: one epoch per batch
+        return [page_key(mapper, k) for k in keys]
 
-    def _set_epoch(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            self._epoch, self._mapper = epoch, None
+    def _mapper_for(self, client: SyncClient) -> KeyMapper:
+        """The key mapper of the namespace's current epoch; EpochUnknown (a miss) until the epoch
+        has been read once, so that a backend never serves or writes pages a clear() retired."""
+        now = time.monotonic()
+        with self._ns_lock:
+            if self._fields is None:
+                p = client.pool(self.settings.pool)
+                self._fields = namespace_fields(
+                    self.storage_config, layout=self._layout,
+                    page_size=self._page_size if self._page_size is not None else p.layout.block_tokens,
+                    page_bytes=self._page_bytes if self._page_bytes is not None else p.block_bytes,
+                    salt=self.settings.salt, host=self._host_geometry)
+                self._epoch_name = hashlib.sha256(namespace_bytes(self._fields)).hexdigest()[:32]
+                self._epoch, self._epoch_next = None, 0.0
+            due, name = now >= self._epoch_next, self._epoch_name
+            if due:
+                self._epoch_next = now + EPOCH_REFRESH_S  # one thread asks; the others go on
+        if due:
+            try:
+                self._raise_epoch(name, client.epoch(self.settings.pool, name, timeout=EPOCH_TIMEOUT_S))
+            except Exception as e:  # Redis down or slow: the last epoch stands, asked again later
+                with self._ns_lock:
+                    self._epoch_next = now + EPOCH_RETRY_S
+                self.warn.warning("sglang_hicache.epoch_unknown", error=f"{type(e).__name__}: {e}", epoch=self._epoch)
+        with self._ns_lock:
+            if self._epoch is None or self._fields is None:
+                raise EpochUnknown("the namespace's epoch has not been read from Redis yet")
+            if self._mapper is None or self._mapper_epoch != self._epoch:
+                self._mapper = key_mapper({**self._fields, "epoch": self._epoch})
+                self._mapper_epoch = self._epoch
+            return self._mapper
+
+    def _raise_epoch(self, name: str, epoch: int) -> None:
+        """Epochs only go up: a refresh answered before a clear() must not undo it."""
+        with self._ns_lock:
+            if name == self._epoch_name and (self._epoch is None or epoch > self._epoch):
+                self._epoch = epoch
 
     def _parent(self, client: SyncClient, extra_info: Any) -> bytes | None:
         prefix = getattr(extra_info, "prefix_keys", None)
@@ -165,11 +205,18 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def _guard(self, op: str, miss: T, fn: Callable[[SyncClient], T]) -> T:
         """fn(client), or `miss` when the daemon is down or anything goes wrong (counted, logged)."""
-        client = self.link.client()
+        try:
+            client = self.link.client()
+        except Exception as e:  # pragma: no cover - nothing known raises there; a miss if it ever does
+            self.counters.add("errors")
+            self.warn.warning("sglang_hicache.call_failed", op=op, error=f"{type(e).__name__}: {e}")
+            return miss
         if client is None:
             return miss
         try:
             return fn(client)
+        except EpochUnknown:
+            self.counters.add("epoch_unknown")
         except TimeoutError:
             self.counters.add("timeouts")
             self.warn.warning("sglang_hicache.timeout", op=op, timeout_s=self.settings.call_timeout_s)
@@ -194,7 +241,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
             kk = self._keys(client, keys)
             if not self.settings.remote:
                 return client.lookup(self.settings.pool, kk).length
-            found = client.locate(self.settings.pool, kk, timeout=self.settings.call_timeout_s)
+            try:
+                found = client.locate(self.settings.pool, kk, timeout=self.settings.call_timeout_s)
+            except TimeoutError:  # Redis slow: this node's own answer stands
+                self.counters.add("timeouts")
+                return client.lookup(self.settings.pool, kk).length
             return found.length + found.redis_length
 
         return self._guard("batch_exists", 0, run)
@@ -213,17 +264,35 @@ class KvtierHiCacheStorage(HiCacheStorage):
                             timeout=t)
         self.counters.add("pages_read_local", n)
         if n < len(kk) and self.settings.remote:
-            p = client.pool(pool)
-            scratch = torch.empty((len(kk) - n, *p.shape), dtype=p.dtype)
-            m = client.get(pool, kk[n:], scratch, remote=True, timeout=t)
+            n += self._read_remote(client, kk[n:], dst[n:])
+        self.counters.add("pages_missed", len(kk) - n)
+        return n
+
+    def _read_remote(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8]) -> int:
+        """The leading run of kk that Redis holds, read through (verified) in chunks of a bounded
+        scratch buffer, then copied into dst. A failure keeps what already landed."""
+        pool = self.settings.pool
+        p = client.pool(pool)
+        got = 0
+        scratch = torch.empty((min(len(kk), REMOTE_CHUNK), *p.shape), dtype=p.dtype)
+        while got < len(kk):
+            want = min(len(kk) - got, REMOTE_CHUNK)
+            try:
+                m = client.get(pool, kk[got:got + want], scratch[:want], remote=True,
+                               timeout=self.settings.call_timeout_s)
+            except TimeoutError:
+                self.counters.add("timeouts")
+                self.warn.warning("sglang_hicache.timeout", op="read_through", timeout_s=self.settings.call_timeout_s)
+                break
             rows = pages.tensor_bytes(scratch[:m]).reshape(m, -1) if m else None
             for j in range(m):
                 assert rows is not None
-                pages.copy_in(dst[n + j], rows[j])
+                pages.copy_in(dst[got + j], rows[j])
             self.counters.add("pages_read_remote", m)
-            n += m
-        self.counters.add("pages_missed", len(kk) - n)
-        return n
+            got += m
+            if m < want:
+                break
+        return got
 
     def _page_targets(self, client: SyncClient, count: int, targets: Sequence[Any] | None) -> list[torch.Tensor]:
         if targets is not None:
@@ -347,6 +416,24 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         return self._guard("batch_set_v1", [False] * len(keys), run)
 
+    # --- hybrid models' sidecar pools (not stored) ----------------------------------------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(host_pool_name) != "kv":
+            self.warn.warning("sglang_hicache.sidecar_pool_not_stored", pool_name=str(host_pool_name),
+                              detail="kvtier stores KV pages only: this model's prefixes get no L3 hits")
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """Multi-pool (hybrid models: Mamba, SWA, DSA): not stored by kvtier, so nothing is found."""
+        return PoolTransferResult(0, {str(t.name): 0 for t in pool_transfers or []})
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
     # --- stats, clear, close -------------------------------------------------------------------------
 
     def _note(self, kind: str, n: int, t0: float) -> None:
@@ -379,10 +466,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         layouts sharing the pool are untouched. False if Redis or the daemon cannot be reached."""
 
         def run(client: SyncClient) -> bool:
-            self._keys(client, [])  # the namespace and its epoch name
-            self._set_epoch(client.epoch(self.settings.pool, self._epoch_name, bump=True,
-                                         timeout=self.settings.call_timeout_s))
-            self._epoch_at = time.monotonic()
+            self._mapper_for(client)  # the namespace and its epoch's name
+            with self._ns_lock:
+                name = self._epoch_name
+            self._raise_epoch(name, client.epoch(self.settings.pool, name, bump=True,
+                                                 timeout=self.settings.call_timeout_s))
             self.log.info("sglang_hicache.cleared", epoch=self._epoch)
             return True
 

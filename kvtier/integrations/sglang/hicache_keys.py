@@ -5,8 +5,9 @@ key and the cache salt): the same prompt gives the same key whatever model, para
 host layout produced the page. HiCacheFile therefore appends `_{model}_{tp_rank}_{tp_size}`
 (and the pp and cp shard) to every key, or only the model for MLA, whose KV every TP rank holds
 whole and which `is_storage_writer` writes once. We put the same fields, plus what the bytes
-depend on that HiCacheFile leaves out (its own TODO): the host layout, the page size and bytes,
-and an operator salt, in the namespace of namespaced_keys.KeyMapper. Two models, two TP layouts
+depend on that HiCacheFile leaves out (its own TODO): the host layout, dtype and geometry, the
+page size and bytes, and an operator salt, in the namespace of namespaced_keys.KeyMapper. The
+weights are not in it: serve new weights under a new model name or a new salt. Two models, two TP layouts
 or two host layouts never share a page; equal deployments on any node do. Pure: no I/O.
 """
 
@@ -19,9 +20,11 @@ from kvtier.integrations.namespaced_keys import KeyMapper, namespace_bytes
 DOMAIN = b"kvtier/sglang-hicache/v1"
 
 
-def namespace_fields(cfg: Any, *, layout: str, page_size: int, page_bytes: int, salt: str | None) -> dict[str, Any]:
-    """The namespace of an SGLang `HiCacheStorageConfig` (read by attribute: no SGLang import)."""
-    model = "-".join(str(cfg.model_name).split("/")) if cfg.model_name else ""
+def namespace_fields(cfg: Any, *, layout: str, page_size: int, page_bytes: int, salt: str | None,
+                     host: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The namespace of an SGLang `HiCacheStorageConfig` (read by attribute: no SGLang import);
+    `host` is the host pool's dtype and geometry (hicache_pages.host_geometry), once registered."""
+    model = str(cfg.model_name) if cfg.model_name else ""  # as served; the JSON keeps it unambiguous
     shard: dict[str, Any] = {}
     if cfg.pp_size > 1:
         shard["pp"] = [cfg.pp_rank, cfg.pp_size]
@@ -33,7 +36,7 @@ def namespace_fields(cfg: Any, *, layout: str, page_size: int, page_bytes: int, 
     # MLA: every TP rank holds the same page, so the TP rank is not part of its name.
     tp = None if cfg.is_mla_model else [cfg.tp_rank, cfg.tp_size]
     return {"model": model, "tp": tp, **shard, "layout": layout, "page_size": int(page_size),
-            "page_bytes": int(page_bytes), "salt": salt}
+            "page_bytes": int(page_bytes), "host": host, "salt": salt}
 
 
 def key_mapper(fields: dict[str, Any]) -> KeyMapper:

@@ -1,12 +1,12 @@
 """The SGLang backend's link to the kvtier daemon: one SyncClient, reconnected when it is lost.
 
 SGLang calls its storage backend from its prefetch and backup threads and must never fail a
-request because the backend is down. So `client()` answers at once: the live client, or None
+request because the backend is down. So `client()` answers with the live client, or None
 while the daemon is unreachable (every call is then a miss or False). A lost daemon is noticed
 by its pid (checked at most every HEALTH_S); a reconnect is tried at most every `retry_s`, by
-one thread at a time, the others answering None meanwhile. `check` is the backend's pool check,
-run on every new connection: a pool of the wrong size keeps the link down (PoolMismatch). No
-SGLang import here.
+one thread at a time (it waits up to `connect_timeout_s`), the others answering None meanwhile.
+`check` is the backend's pool check, run on every new connection: a pool of the wrong size
+keeps the link down (PoolMismatch). No SGLang import here.
 """
 
 from __future__ import annotations

@@ -80,3 +80,16 @@ def host_page_bytes(host_pool: Any) -> int:
         return per_token * int(host_pool.page_size)
     page = host_pool.get_dummy_flat_data_page()
     return int(page.numel() * page.element_size())
+
+
+GEOMETRY = ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim")
+
+
+def host_geometry(host_pool: Any) -> dict[str, Any]:
+    """What a host pool's page bytes mean, as far as the pool says: dtype and shape attributes."""
+    out: dict[str, Any] = {"dtype": str(getattr(host_pool, "dtype", "")).removeprefix("torch.")}
+    for name in GEOMETRY:
+        v = getattr(host_pool, name, None)
+        if isinstance(v, int):
+            out[name] = v
+    return out
