@@ -20,6 +20,7 @@ from kvtier.config.schema import (
     ConfigError,
     DaemonConfig,
     EmbeddedRedisConfig,
+    EventsConfig,
     LogConfig,
     MetricsConfig,
     NodeConfig,
@@ -30,6 +31,6 @@ from kvtier.config.schema import (
 
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
-    "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "RedisConfig",
+    "EventsConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",
 ]

@@ -102,6 +102,27 @@ class MetricsConfig:
     stream_sample_s: float = setting(number(gt=0), 5.0)
 
 
+# A ZMQ endpoint on loopback or a unix (ipc) socket: the listeners never face the network.
+_ZMQ_LOCAL = r"tcp://(127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|localhost|\[::1\]):[0-9]{1,5}|ipc:///[^\s]+"
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    # KV events for routers (llm-d, Dynamo), in vLLM's wire format (docs/integrations/events.md).
+    enabled: bool = setting(boolean(), False)
+    # PUB socket the events go out on, and the ROUTER socket that replays missed ones ("" = off).
+    endpoint: str = setting(string(_ZMQ_LOCAL, "tcp://127.0.0.1:<port> or ipc:///<path>", empty_ok=False),
+                            "tcp://127.0.0.1:5557", text=True)
+    replay_endpoint: str = setting(string(_ZMQ_LOCAL, "tcp://127.0.0.1:<port> or ipc:///<path>"),
+                                   "tcp://127.0.0.1:5558", text=True)
+    # {node} and {model} are filled in per pool: llm-d's form by default.
+    topic: str = setting(string(r"[^\s]*", "a topic (no spaces)"), "kv@{node}@{model}", text=True)
+    hwm: int = setting(integer(1, 10_000_000), 100_000)  # the PUB socket's high-water mark
+    buffer_steps: int = setting(integer(1, 10_000_000), 10_000)  # messages kept for replay
+    max_queue: int = setting(integer(1, 10_000_000), 100_000)  # batches waiting to be sent
+    data_parallel_rank: int = setting(integer(0, 1 << 16), 0)
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     shutdown_grace_s: float = setting(number(gt=0), 10.0)
@@ -175,6 +196,7 @@ class Config:
     metrics: MetricsConfig
     policy: PolicyConfig
     pools: tuple[PoolConfig, ...]
+    events: EventsConfig = EventsConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -186,6 +208,7 @@ SECTIONS: dict[str, type] = {
     "daemon": DaemonConfig,
     "metrics": MetricsConfig,
     "policy": PolicyConfig,
+    "events": EventsConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

@@ -28,6 +28,7 @@ from kvtier.core.events import Tier
 from kvtier.daemon.chores import Chores, bounded
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.embedded_redis import EmbeddedRedis
+from kvtier.daemon.kv_event_publisher import KvEventPublisher, RouterEvents
 from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, shm_gid
@@ -69,6 +70,7 @@ class Daemon:
         self.embedded: EmbeddedRedis | None = None
         self.ready = asyncio.Event()  # set once serving (READY=1 sent)
         self._stack = contextlib.AsyncExitStack()
+        self.router_events: RouterEvents | None = None  # [events] enabled: KV events for routers
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop. What cli.py runs."""
@@ -103,6 +105,12 @@ class Daemon:
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
                 rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
+            if cfg.events.enabled:  # before the consumers: no fact may go unannounced
+                kv = KvEventPublisher(cfg.events, self.log)
+                stack.callback(kv.close)
+                kv.start()
+                self.router_events = RouterEvents(kv, self.pools, cfg.node.id, cfg.events.topic)
+                self.router_events.announce_start()
             self._build_consumers(bus, staging)
             if cfg.metrics.listen:
                 self.metrics = metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
@@ -159,7 +167,8 @@ class Daemon:
         cfg = self.cfg
         publisher = self.publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen,
                                                self.bus_stats)
-        coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log)
+        coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log,
+                                  self.router_events.emit if self.router_events is not None else None)
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
@@ -227,6 +236,7 @@ class Daemon:
             "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
             "streams": dict(self.stream_info),
             "metrics_url": self.metrics.url if self.metrics is not None else None,
+            "kv_events": self.router_events.publisher.stats() if self.router_events is not None else None,
         }
 
     def _write_stats(self) -> None:

@@ -8,6 +8,7 @@ streams in one pipeline per batch. It never touches block bytes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
@@ -37,8 +38,11 @@ def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Copy | Ev
 
 
 class Coordinator:
-    def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log) -> None:
+    def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log,
+                 on_facts: Callable[[str, list[Stored | Removed]], None] | None = None) -> None:
         self.pools = pools
+        self.on_facts = on_facts  # the KV-event publisher (for routers), told once a batch is applied
+        self._facts: dict[str, list[Stored | Removed]] = {}
         self.staging = staging
         self.publisher = publisher
         self.names = names
@@ -71,6 +75,8 @@ class Coordinator:
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
         elif isinstance(ev, (Stored, Removed)):
             cmds = rt.placement.on_fact(ev)
+            if self.on_facts is not None:
+                self._facts.setdefault(rt.name, []).append(ev)
         else:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
         self._cmds.extend(cmds)
@@ -92,8 +98,16 @@ class Coordinator:
             for c in cmds:
                 self.pools[c.pool].placement.revert([c])
             self.applied.discard()
+            self._facts.clear()  # the batch comes back, and its facts with it
             raise
         self.applied.commit()
+        if self._facts:
+            facts, self._facts = self._facts, {}
+            for pool, fs in facts.items():
+                try:
+                    self.on_facts(pool, fs)  # type: ignore[misc]  # set whenever facts were kept
+                except Exception as e:  # routers' events must never stop the daemon's own work
+                    self.log.warning("coordinator.kv_events_failed", pool=pool, error=f"{type(e).__name__}: {e}")
         if not cmds:
             return
         self.log.debug("coordinator.commands", n=len(cmds))

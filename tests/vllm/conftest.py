@@ -73,9 +73,10 @@ def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisPr
     started: list[DaemonProcess] = []
     directory = tmp_path_factory.mktemp("nodes")
 
-    def make(name: str, pools: str | None = None, policy: str = 'redis_write = "write-through"') -> DaemonProcess:
+    def make(name: str, pools: str | None = None, policy: str = 'redis_write = "write-through"',
+             extra: str = "") -> DaemonProcess:
         node = f"{name}-{uuid.uuid4().hex[:8]}"  # names /dev/shm segments: unique across sessions
-        cfg = write_config(directory, node=node, redis_url=module_redis.url, extra=f"[policy]\n{policy}\n",
+        cfg = write_config(directory, node=node, redis_url=module_redis.url, extra=f"[policy]\n{policy}\n{extra}",
                            pools_toml=pools if pools is not None else pool_toml())
         d = DaemonProcess(cfg, directory / f"rt-{node}")
         started.append(d)

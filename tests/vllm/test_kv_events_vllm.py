@@ -1,0 +1,71 @@
+"""kvtier's KV events decoded with vLLM's own classes (vllm.distributed.kv_events, vLLM 0.32):
+what llm-d's indexer and Dynamo's router read from a vLLM engine, read here from kvtier."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import msgspec
+import pytest
+import torch
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+from kvtier.client import SyncClient
+from kvtier.core.kv_events import block_hash
+from tests.support.kv_events import Subscriber, endpoints, events_toml, replay
+from tests.vllm.conftest import BS, POOL
+
+
+@pytest.fixture
+def ipc():
+    pub, rep, d = endpoints()
+    yield pub, rep
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_vllm_decodes_every_field(node_factory, ipc) -> None:
+    pub, rep = ipc
+    node = node_factory("evv", extra=events_toml(pub, rep))
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+    sub = Subscriber(pub)
+    try:
+        first = decode.decode(replay(rep, 0)[0][2])
+        assert isinstance(first, KVEventBatch) and first.data_parallel_rank == 0 and first.ts > 0
+        assert first.events == [AllBlocksCleared()]
+        with SyncClient(node.runtime_dir) as c:
+            keys = c.block_keys(POOL, list(range(BS * 3)), salt=b"vllm-events")
+            p = c.pool(POOL)
+            assert c.put(POOL, keys, torch.zeros((3, *p.shape), dtype=p.dtype)).staged == 3
+            hashes = [block_hash(k) for k in keys]
+
+            def stored(evs, medium):
+                return [e for e in evs if isinstance(e, BlockStored) and e.medium == medium]
+
+            def batches():
+                sub.drain()
+                return [decode.decode(m[2]) for m in sub.messages]
+
+            deadline = time.monotonic() + 15
+            while True:
+                evs = [e for b in batches() for e in b.events]
+                cpu, redis = stored(evs, MEDIUM_CPU), stored(evs, MEDIUM_STORAGE)
+                if sum(len(e.block_hashes) for e in cpu) >= 3 and sum(len(e.block_hashes) for e in redis) >= 3:
+                    break
+                assert time.monotonic() < deadline, f"no BlockStored for CPU and STORAGE: {evs}"
+        for e in cpu + redis:
+            assert e.block_size == BS and e.token_ids == [] and e.lora_id is None and e.lora_name is None
+            assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in e.block_hashes)
+        assert [h for e in cpu for h in e.block_hashes][:3] == hashes
+        assert cpu[0].parent_block_hash is None
+        assert all(isinstance(b.ts, float) and b.data_parallel_rank == 0 for b in batches())
+        assert all(isinstance(e, (BlockStored, BlockRemoved, AllBlocksCleared)) for e in evs)
+    finally:
+        sub.close()
