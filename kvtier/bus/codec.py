@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from kvtier.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier
+from kvtier.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier, TokenIds
 from kvtier.errors import MalformedEvent
 from kvtier.keys import KEY_BYTES, BlockKey
 
@@ -104,6 +104,11 @@ def _check(where: str, hint: object, value: object) -> object:
     args = typing.get_args(hint)
     if hint is BlockKey or hint is bytes:
         return _key(where, value)
+    if hint is TokenIds:
+        if not isinstance(value, bytes) or len(value) % 4:
+            got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+            raise MalformedEvent(f"{where}: expected u32 token ids (a multiple of 4 bytes), got {got}")
+        return TokenIds(value)
     if hint is str:
         if where.endswith(".pool") or where.endswith(".segment"):
             return _name(where, value)

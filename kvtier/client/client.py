@@ -27,9 +27,9 @@ from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.client.pools import ClientPool, host_rows, map_pools
 from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup, PutResult
-from kvtier.core.events import Prefetch, Put, StagedBlock, Tier
+from kvtier.core.events import Prefetch, Put, StagedBlock, Tier, TokenIds
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
-from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.keys import BlockKey, chain_keys, check_key, encode_tokens, root_key
 from kvtier.logs import Log
 from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
@@ -318,10 +318,11 @@ class Client:
     # --- put / prefetch ------------------------------------------------------------------------
 
     async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *,
-                  parent: bytes | None = None) -> PutResult:
+                  parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> PutResult:
         """Hand new blocks to the daemon. `keys` is a chain: keys[0]'s parent is `parent` (None
         for the chain's first block). Never blocks on a busy daemon: what cannot be staged at
-        once is dropped and counted."""
+        once is dropped and counted. `token_ids` (block_tokens per block, in block order) are
+        only passed on to routers, in the daemon's KV events (docs/integrations/events.md)."""
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
 
@@ -329,21 +330,30 @@ class Client:
             rows = host_rows(kv, n)  # only the staged blocks leave a GPU
             return lambda i, b: w.fill_slot(b, rows[i])
 
-        return await self._put(p, keys, parent, writer)
+        return await self._put(p, keys, parent, writer, token_ids)
 
     async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object],
-                       *, parent: bytes | None = None) -> PutResult:
+                       *, parent: bytes | None = None, token_ids: Sequence[int] | None = None) -> PutResult:
         """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
         `fill` may run in the client's copy threads, several blocks side by side."""
         p = self.pool(pool)
-        return await self._put(p, keys, parent, lambda w, n: lambda i, b: w.fill_slot_with(b, lambda dst: fill(i, dst)))
+        return await self._put(p, keys, parent, lambda w, n: lambda i, b: w.fill_slot_with(b, lambda dst: fill(i, dst)),
+                               token_ids)
 
-    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer: SlotWriter) -> PutResult:
+    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None, writer: SlotWriter,
+                   token_ids: Sequence[int] | None = None) -> PutResult:
         """Stage what fits, filled by writer(staging, n_staged)(i, slot) in copy threads, then publish."""
         pool = p.name
         bkeys = [check_key(k) for k in keys]
         bparent = None if parent is None else check_key(parent)
+        tokens = None
+        if token_ids is not None:
+            tokens = encode_tokens(token_ids).tobytes()  # BadRequest for ids outside [0, 2**32)
+            want = len(bkeys) * p.layout.block_tokens
+            if len(tokens) != 4 * want:
+                raise BadRequest(f"token_ids: {len(bkeys)} blocks of {p.layout.block_tokens} tokens need {want} ids, "
+                                 f"got {len(tokens) // 4}")
         if not bkeys:
             return PutResult(0, 0)
         w = p.stager()
@@ -363,7 +373,8 @@ class Client:
         dropped = len(bkeys) - len(staged)
         if staged:
             try:
-                await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged)))
+                part = None if tokens is None else TokenIds(tokens[:4 * len(staged) * p.layout.block_tokens])
+                await self._publisher.publish(self._client_stream, Put(pool, segment, tuple(staged), part))
             except REDIS_ERRORS as e:
                 w.unstage(staged)
                 dropped = len(bkeys)

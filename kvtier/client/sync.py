@@ -71,12 +71,13 @@ class SyncClient:
         return self._call(self._client.get_with(pool, keys, copy_out, digest), timeout)
 
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
-            timeout: float | None = None) -> PutResult:
-        return self._call(self._client.put(pool, keys, kv, parent=parent), timeout)
+            token_ids: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
+        return self._call(self._client.put(pool, keys, kv, parent=parent, token_ids=token_ids), timeout)
 
     def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object], *,
-                 parent: bytes | None = None, timeout: float | None = None) -> PutResult:
-        return self._call(self._client.put_with(pool, keys, fill, parent=parent), timeout)
+                 parent: bytes | None = None, token_ids: Sequence[int] | None = None,
+                 timeout: float | None = None) -> PutResult:
+        return self._call(self._client.put_with(pool, keys, fill, parent=parent, token_ids=token_ids), timeout)
 
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:

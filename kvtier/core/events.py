@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NewType
 
 from kvtier.keys import BlockKey
 
+# The token ids of a put's blocks, block after block, each a little-endian u32 (routers' KV
+# events carry them; the daemon never needs them to place a block).
+TokenIds = NewType("TokenIds", bytes)
+
 # 2: facts carry a typed cause (Cause) and a removed fact its why (Reason | Failure), where 1 had
 # strings such as `promote_failed:verify`; 3: clients report reads straight from Redis
-# (RemoteRead). A daemon rejects (dead-letters) another version's entries.
-SCHEMA_VERSION = 3
+# (RemoteRead); 4: a put may carry its blocks' token ids (for routers' KV events). A daemon
+# rejects (dead-letters) another version's entries.
+SCHEMA_VERSION = 4
 
 
 class Tier(enum.IntEnum):
@@ -92,6 +97,7 @@ class Put:
     pool: str
     segment: str
     blocks: tuple[StagedBlock, ...]
+    tokens: TokenIds | None = None  # block_tokens ids per block, in block order, when the client gave them
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,8 +167,10 @@ class Daemon:
         cfg = self.cfg
         publisher = self.publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen,
                                                self.bus_stats)
+        router = self.router_events
         coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log,
-                                  self.router_events.emit if self.router_events is not None else None)
+                                  router.emit if router is not None else None,
+                                  router.note_tokens if router is not None else None)
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
@@ -236,7 +238,7 @@ class Daemon:
             "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
             "streams": dict(self.stream_info),
             "metrics_url": self.metrics.url if self.metrics is not None else None,
-            "kv_events": self.router_events.publisher.stats() if self.router_events is not None else None,
+            "kv_events": self.router_events.stats() if self.router_events is not None else None,
         }
 
     def _write_stats(self) -> None:

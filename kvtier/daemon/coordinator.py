@@ -28,6 +28,7 @@ from kvtier.core.events import (
     Tier,
 )
 from kvtier.errors import MalformedEvent
+from kvtier.keys import BlockKey
 from kvtier.tiers.pool import PoolRuntime
 
 
@@ -39,9 +40,11 @@ def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Copy | Ev
 
 class Coordinator:
     def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log,
-                 on_facts: Callable[[str, list[Stored | Removed]], None] | None = None) -> None:
+                 on_facts: Callable[[str, list[Stored | Removed]], None] | None = None,
+                 on_tokens: Callable[[str, list[BlockKey], bytes], None] | None = None) -> None:
         self.pools = pools
         self.on_facts = on_facts  # the KV-event publisher (for routers), told once a batch is applied
+        self.on_tokens = on_tokens  # ... and the token ids a put carried, which its events name
         self._facts: dict[str, list[Stored | Removed]] = {}
         self.staging = staging
         self.publisher = publisher
@@ -114,6 +117,8 @@ class Coordinator:
 
     def _put(self, rt: PoolRuntime, ev: Put) -> list:
         rt.counters.puts += len(ev.blocks)
+        if ev.tokens is not None and self.on_tokens is not None:
+            self.on_tokens(rt.name, [b.key for b in ev.blocks], ev.tokens)
         cmds: list = []
         for b, tier in zip(ev.blocks, rt.placement.admit([b.key for b in ev.blocks], time.monotonic())):
             if tier is None:  # already cached here: hand the staging slot straight back

@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from kvtier.config import EventsConfig
@@ -149,17 +150,43 @@ class KvEventPublisher:
 class RouterEvents:
     """Tier facts -> KV events on the publisher, one topic per pool (the model's name in it).
 
-    Token ids are not known to the daemon yet (a put does not carry them), so BlockStored goes
-    out with `token_ids: []`: routers that index by kvtier's hashes can use it, routers that
-    recompute hashes from tokens (llm-d, Dynamo) cannot (docs/integrations/events.md)."""
+    A put may carry its blocks' token ids (routers such as llm-d and Dynamo hash tokens
+    themselves); they are kept while the block is in a local tier, so that its later events
+    (a demote to Redis, say) carry them too, and at most TOKENS_KEPT x the local capacity per pool
+    (oldest first out). A block put without them is announced with `token_ids: []`."""
 
     ANNOUNCE_CHUNK = 1000  # events per message when a start re-announces what a warm arena holds
+    TOKENS_KEPT = 2
 
     def __init__(self, publisher: KvEventPublisher, pools: dict[str, Any], node: str, topic: str) -> None:
         self.publisher = publisher
         self.pools = pools
         self.topics = {name: topic.replace("{node}", node).replace("{model}", rt.layout.model)
                        for name, rt in pools.items()}
+        self._tokens: dict[str, collections.OrderedDict[bytes, bytes]] = {n: collections.OrderedDict() for n in pools}
+        self.bad_tokens = 0
+
+    def note_tokens(self, pool: str, keys: list[Any], tokens: bytes) -> None:
+        """A put's token ids (u32 LE, block after block); of another length than the pool's
+        blocks need, they are ignored (counted): the put itself stands."""
+        rt = self.pools[pool]
+        size = 4 * rt.layout.block_tokens
+        if len(tokens) != size * len(keys):
+            self.bad_tokens += 1
+            return
+        store = self._tokens[pool]
+        for i, k in enumerate(keys):
+            store[k] = tokens[i * size:(i + 1) * size]
+            store.move_to_end(k)
+        while len(store) > self.TOKENS_KEPT * max(rt.local_blocks, 1):
+            store.popitem(last=False)
+
+    def _tokens_of(self, pool: str, key: bytes) -> list[int] | None:
+        t = self._tokens[pool].get(key)
+        return None if t is None else np.frombuffer(t, dtype="<u4").tolist()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.publisher.stats(), "bad_tokens": self.bad_tokens}
 
     def _gpu_on_device(self, pool: str) -> bool:
         return self.pools[pool].gpu_ipc is not None
@@ -186,4 +213,9 @@ class RouterEvents:
     def emit(self, pool: str, facts: list[Any]) -> None:
         rt = self.pools[pool]
         self.publisher.publish(self.topics[pool], facts_to_events(facts, rt.layout.block_tokens,
-                                                                  self._gpu_on_device(pool), lambda k: None))
+                                                                  self._gpu_on_device(pool),
+                                                                  lambda k: self._tokens_of(pool, k)))
+        store = self._tokens[pool]
+        for f in facts:  # a block no local tier holds any more will not be announced again
+            if f.key in store and rt.placement.where(f.key) in (None, Tier.REDIS):
+                del store[f.key]

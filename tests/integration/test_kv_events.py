@@ -48,8 +48,9 @@ async def test_facts_become_vllm_kv_events_with_replay(daemon_factory, ipc) -> N
         wait_until(lambda: (sub.drain(), True)[1] and stats(d).get("sent", 0) >= 1, 10)
 
         async with await Client.connect(d.runtime_dir) as c:
-            keys = c.block_keys("t", list(range(16 * 4)), salt=b"ev")
-            assert (await c.put("t", keys, make_kv(4, seed=3))).staged == 4
+            tokens = [1000 + i for i in range(16 * 4)]
+            keys = c.block_keys("t", tokens, salt=b"ev")
+            assert (await c.put("t", keys, make_kv(4, seed=3), token_ids=tokens)).staged == 4
             hashes = [block_hash(k) for k in keys]
 
             def announced(evs, medium):
@@ -62,7 +63,10 @@ async def test_facts_become_vllm_kv_events_with_replay(daemon_factory, ipc) -> N
         stored = next(e for e in evs if e["type"] == "BlockStored" and e["medium"] == "CPU")
         assert set(stored) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
                                "lora_id", "medium", "lora_name"}
-        assert stored["block_size"] == 16 and stored["token_ids"] == [] and stored["lora_id"] is None
+        assert stored["block_size"] == 16 and stored["lora_id"] is None
+        for medium in ("CPU", "STORAGE"):  # the tokens of every block, in block order, in both media
+            runs = [e for e in evs if e["type"] == "BlockStored" and e["medium"] == medium]
+            assert [t for e in runs for t in e["token_ids"]][:64] == tokens
         chain = [h for e in evs if e["type"] == "BlockStored" and e["medium"] == "CPU" for h in e["block_hashes"]]
         assert chain[:4] == hashes  # in chain order
         # Sequence numbers: one counter, no gaps, and the replay returns the same messages.
@@ -143,3 +147,25 @@ def test_the_endpoints_must_be_local() -> None:
     for bad in ("tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.0.0.5:5557", "ipc://relative"):
         with pytest.raises(ConfigError, match="endpoint"):
             load_config(None, {"KVTIER__EVENTS__ENDPOINT": bad})
+
+
+async def test_a_put_without_tokens_is_announced_without_them(daemon_factory, ipc) -> None:
+    from kvtier.errors import BadRequest
+
+    pub, rep = ipc
+    d = daemon_factory(node="evt", extra=events_toml(pub, rep))
+    sub = Subscriber(pub)
+    try:
+        wait_until(lambda: stats(d).get("sent", 0) >= 1, 10)
+        async with await Client.connect(d.runtime_dir) as c:
+            keys = c.block_keys("t", list(range(32)), salt=b"no-tokens")
+            with pytest.raises(BadRequest, match="token_ids"):
+                await c.put("t", keys, make_kv(2, seed=4), token_ids=list(range(31)))
+            with pytest.raises(BadRequest):
+                await c.put("t", keys, make_kv(2, seed=4), token_ids=[-1] * 32)
+            assert (await c.put("t", keys, make_kv(2, seed=4))).staged == 2
+            h = block_hash(keys[1])
+            evs = sub.wait_for(lambda evs: any(h in e.get("block_hashes", ()) for e in evs), 10, "stored")
+        assert all(e["token_ids"] == [] for e in evs if e["type"] == "BlockStored")
+    finally:
+        sub.close()

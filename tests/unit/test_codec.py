@@ -292,3 +292,16 @@ def test_single_byte_corruption(event, pos: int, byte: int) -> None:
     raw = bytearray(encode(Envelope(event, "node-a", 1, 2)))
     raw[pos % len(raw)] = byte
     decodes_or_malformed(bytes(raw))
+
+
+def test_put_token_ids_round_trip_and_are_checked() -> None:
+    from kvtier.core.events import TokenIds
+
+    blk = StagedBlock(K1, None, 1, 2)
+    env = Envelope(Put("pool", "seg", (blk,), TokenIds(b"\x01\x00\x00\x00" * 16)), "p", 1, 1)
+    assert decode(encode(env)) == env
+    assert decode(encode(Envelope(Put("pool", "seg", (blk,)), "p", 1, 2))).event.tokens is None
+    bad = msgpack.unpackb(encode(env))
+    bad["b"]["tokens"] = b"\x01\x02\x03"
+    with pytest.raises(MalformedEvent, match="tokens"):
+        decode(msgpack.packb(bad, use_bin_type=True))

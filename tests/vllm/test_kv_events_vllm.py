@@ -41,9 +41,10 @@ def test_vllm_decodes_every_field(node_factory, ipc) -> None:
         assert isinstance(first, KVEventBatch) and first.data_parallel_rank == 0 and first.ts > 0
         assert first.events == [AllBlocksCleared()]
         with SyncClient(node.runtime_dir) as c:
-            keys = c.block_keys(POOL, list(range(BS * 3)), salt=b"vllm-events")
+            tokens = [7 + i for i in range(BS * 3)]
+            keys = c.block_keys(POOL, tokens, salt=b"vllm-events")
             p = c.pool(POOL)
-            assert c.put(POOL, keys, torch.zeros((3, *p.shape), dtype=p.dtype)).staged == 3
+            assert c.put(POOL, keys, torch.zeros((3, *p.shape), dtype=p.dtype), token_ids=tokens).staged == 3
             hashes = [block_hash(k) for k in keys]
 
             def stored(evs, medium):
@@ -61,9 +62,11 @@ def test_vllm_decodes_every_field(node_factory, ipc) -> None:
                     break
                 assert time.monotonic() < deadline, f"no BlockStored for CPU and STORAGE: {evs}"
         for e in cpu + redis:
-            assert e.block_size == BS and e.token_ids == [] and e.lora_id is None and e.lora_name is None
+            assert e.block_size == BS and e.lora_id is None and e.lora_name is None
+            assert len(e.token_ids) == BS * len(e.block_hashes)
             assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in e.block_hashes)
         assert [h for e in cpu for h in e.block_hashes][:3] == hashes
+        assert [t for e in cpu for t in e.token_ids][:BS * 3] == tokens
         assert cpu[0].parent_block_hash is None
         assert all(isinstance(b.ts, float) and b.data_parallel_rank == 0 for b in batches())
         assert all(isinstance(e, (BlockStored, BlockRemoved, AllBlocksCleared)) for e in evs)

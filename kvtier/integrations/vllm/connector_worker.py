@@ -205,7 +205,10 @@ class WorkerMover:
         done = 0
         while True:
             at = start + done
+            bs = self.ns.block_size
+            toks = tr.token_ids[at * bs:(start + len(todo)) * bs]  # for routers' KV events
             res = client.put_with(self.s.pool, todo[done:], filler(done), parent=keys[at - 1] if at else None,
+                                  token_ids=toks if len(toks) == (len(todo) - done) * bs else None,
                                   timeout=self.s.call_timeout_s)
             done += res.staged
             if done == len(todo) or time.monotonic() >= deadline:
