@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from kvtier.config import ConfigError, format_config, load_config
 from kvtier.runtime import runtime_dir_for
@@ -116,6 +117,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_where(args: argparse.Namespace) -> int:
+    from kvtier.client import SyncClient
+    from kvtier.errors import KvtierError
+
+    try:
+        if args.tokens_file:
+            text = Path(args.tokens_file).read_text()
+        else:
+            text = args.tokens or ""
+        tokens = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except (OSError, ValueError) as e:
+        print(f"kvtier where: cannot read the token ids: {e}", file=sys.stderr)
+        return 2
+    try:
+        with SyncClient(args.runtime_dir) as c:
+            keys = c.block_keys(args.pool, tokens, salt=args.salt.encode() if args.salt else None)
+            w = c.where(args.pool, keys)
+    except (KvtierError, OSError) as e:
+        print(f"kvtier where: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"blocks": len(keys), "length": w.length, "redis_length": w.redis_length,
+                          "nodes": [{"node": r.node, "length": r.length, "tiers": list(r.tiers)} for r in w.nodes]}))
+        return 0
+    print(f"{len(keys)} full blocks; Redis holds the first {w.redis_length}")
+    if not w.nodes:
+        print("no node holds the first block locally")
+    for r in w.nodes[:args.top]:
+        tiers = ", ".join(f"{t} {r.tiers.count(t)}" for t in ("gpu", "cpu") if t in r.tiers)
+        print(f"{r.node:<32} {r.length:>6} blocks  ({tiers})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtier.tools.demo import run_demo
 
@@ -180,6 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
     pf.add_argument("--timeout", type=float, default=900, help="give up after this many seconds (default 900)")
     b.set_defaults(fn=cmd_bench)
+
+    wh = sub.add_parser("where", help="which nodes hold the longest cached prefix of these tokens (the prefix index)")
+    wh.add_argument("--pool", required=True, help="the kvtier pool")
+    src = wh.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="token ids, separated by commas or spaces, or a JSON list")
+    src.add_argument("--tokens-file", help="a file of token ids (JSON list, or separated by commas or spaces)")
+    wh.add_argument("--salt", help="the salt the blocks were put with")
+    wh.add_argument("--runtime-dir", help="the local daemon's runtime directory")
+    wh.add_argument("--top", type=int, default=10, help="nodes to list (default 10)")
+    wh.add_argument("--json", action="store_true", help="print the answer as JSON")
+    wh.set_defaults(fn=cmd_where)
 
     m = sub.add_parser("demo", help="start a daemon on the embedded Redis and drive a shared-prefix workload")
     m.add_argument("--config", "-c", help="daemon config (default: the built-in demo pool)")

@@ -27,7 +27,9 @@ from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.client.pools import ClientPool, host_rows, map_pools
 from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup, PutResult
+from kvtier.client.where_query import query_where
 from kvtier.core.events import Prefetch, Put, StagedBlock, Tier, TokenIds
+from kvtier.core.where import Where
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, encode_tokens, root_key
 from kvtier.logs import Log
@@ -205,6 +207,14 @@ class Client:
             self.stats.event_errors += 1
             self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
         return [not isinstance(a, Exception) and bool(a) for a in answers]
+
+    async def where(self, pool: str, keys: Sequence[bytes]) -> Where:
+        """The router's question, from the cluster prefix index (core/where.py), kept by every
+        daemon with [prefix_index] enabled: which nodes hold the longest leading run of `keys`
+        locally, in which tier, and how much of it Redis holds (asked of Redis itself): see
+        client/where_query.py. Redis errors raise."""
+        self.pool(pool)
+        return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
 
     async def epoch(self, pool: str, name: str, *, bump: bool = False) -> int:
         """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix

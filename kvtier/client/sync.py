@@ -15,6 +15,7 @@ import torch
 from kvtier.client.client import Client
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import Lookup, PutResult
+from kvtier.core.where import Where
 from kvtier.keys import BlockKey
 from kvtier.processes import pid_alive
 
@@ -82,6 +83,10 @@ class SyncClient:
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
+
+    def where(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> Where:
+        """Client.where: which nodes hold the longest leading run of `keys`, in which tier."""
+        return self._call(self._client.where(pool, keys), timeout)
 
     def epoch(self, pool: str, name: str, *, bump: bool = False, timeout: float | None = None) -> int:
         """Client.epoch."""

@@ -26,11 +26,13 @@ from kvtier.config.schema import (
     NodeConfig,
     PolicyConfig,
     PoolConfig,
+    PrefixIndexConfig,
     RedisConfig,
 )
 
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
-    "EventsConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "RedisConfig",
+    "EventsConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "PrefixIndexConfig",
+    "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",
 ]

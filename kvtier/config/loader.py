@@ -157,6 +157,12 @@ def _cross_check(values: dict[str, dict[str, Any]], origins: Origins,
                 f"({policy['low_watermark']:g} >= {policy['high_watermark']:g})"
                 f"{_via(origins, 'policy', 'low_watermark')}"
                 f"{_via(origins, 'policy', 'high_watermark')}")
+    index = values["prefix_index"]
+    if "refresh_s" in index and "ttl_s" in index and index["refresh_s"] >= index["ttl_s"]:
+        problems.append(
+            f"prefix_index.refresh_s: must be less than prefix_index.ttl_s ({index['refresh_s']:g} >= "
+            f"{index['ttl_s']}), or a live node's entries would expire between refreshes"
+            f"{_via(origins, 'prefix_index', 'refresh_s')}{_via(origins, 'prefix_index', 'ttl_s')}")
 
 
 def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], origins: Origins,

@@ -124,6 +124,17 @@ class EventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixIndexConfig:
+    # The cluster prefix index in Redis (`kvtier where`, Client.where; docs/integrations/events.md).
+    enabled: bool = setting(boolean(), False)
+    # An entry lives this long past its last write: the staleness bound for a node that died.
+    ttl_s: int = setting(integer(10, 7 * 86400), 600)
+    # Every block the local tiers hold is written again this often (must be below ttl_s).
+    refresh_s: float = setting(number(gt=0), 300.0)
+    batch_commands: int = setting(integer(1, 1 << 20), 4096)  # index commands per Redis batch
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     shutdown_grace_s: float = setting(number(gt=0), 10.0)
     stats_interval_s: float = setting(number(gt=0), 1.0)
@@ -197,6 +208,7 @@ class Config:
     policy: PolicyConfig
     pools: tuple[PoolConfig, ...]
     events: EventsConfig = EventsConfig()
+    prefix_index: PrefixIndexConfig = PrefixIndexConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -209,6 +221,7 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsConfig,
     "policy": PolicyConfig,
     "events": EventsConfig,
+    "prefix_index": PrefixIndexConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

@@ -33,6 +33,7 @@ from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.daemon.prefix_index import PrefixIndexWriter
 from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
 from kvtier.daemon.sdnotify import Notifier
@@ -71,6 +72,7 @@ class Daemon:
         self.ready = asyncio.Event()  # set once serving (READY=1 sent)
         self._stack = contextlib.AsyncExitStack()
         self.router_events: RouterEvents | None = None  # [events] enabled: KV events for routers
+        self.prefix_index: PrefixIndexWriter | None = None  # [prefix_index] enabled
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop. What cli.py runs."""
@@ -111,6 +113,9 @@ class Daemon:
                 kv.start()
                 self.router_events = RouterEvents(kv, self.pools, cfg.node.id, cfg.events.topic)
                 self.router_events.announce_start()
+            if cfg.prefix_index.enabled:
+                self.prefix_index = PrefixIndexWriter(blocks, cfg.node.id, self.pools, cfg.prefix_index, self.log)
+                self.prefix_index.refresh()  # what a warm restart kept, listed again at once
             self._build_consumers(bus, staging)
             if cfg.metrics.listen:
                 self.metrics = metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
@@ -167,10 +172,15 @@ class Daemon:
         cfg = self.cfg
         publisher = self.publisher = Publisher(bus, f"{cfg.node.id}/daemon", self.epoch, cfg.bus.stream_maxlen,
                                                self.bus_stats)
-        router = self.router_events
+        router, index = self.router_events, self.prefix_index
+        sinks = [s for s in (router.emit if router else None, index.on_facts if index else None) if s is not None]
+
+        def on_facts(pool: str, facts: list[Any]) -> None:
+            for sink in sinks:
+                sink(pool, facts)
+
         coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log,
-                                  router.emit if router is not None else None,
-                                  router.note_tokens if router is not None else None)
+                                  on_facts if sinks else None, router.note_tokens if router is not None else None)
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
@@ -196,6 +206,9 @@ class Daemon:
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
         chores.every("reaper", REAP_INTERVAL_S, staging.reap)
         chores.start("loop-lag", self.loop_lag.run())
+        if self.prefix_index is not None:
+            chores.start("prefix-index", self.prefix_index.run())
+            chores.every("prefix-index-refresh", self.cfg.prefix_index.refresh_s, self.prefix_index.refresh)
         names = [self.names.client, self.names.facts, *(self.names.tier(t) for t in Tier)]
         chores.start("stream-sampler", sample_streams(bus, names, GROUP, self.stream_info,
                                                       self.cfg.metrics.stream_sample_s, self.log))
@@ -239,6 +252,7 @@ class Daemon:
             "streams": dict(self.stream_info),
             "metrics_url": self.metrics.url if self.metrics is not None else None,
             "kv_events": self.router_events.stats() if self.router_events is not None else None,
+            "prefix_index": self.prefix_index.stats() if self.prefix_index is not None else None,
         }
 
     def _write_stats(self) -> None:

@@ -240,6 +240,10 @@ def table(out: dict) -> list[dict]:
     if "directory" in out:
         x = out["directory"]["ratio"]
         row("lookup: 1M blocks indexed vs 1k", f"{x:.2f}x", "", x, "<= 1.5x", x <= 1.5)
+    if "where" in out:
+        x = out["where"]
+        row(f"where: {x['blocks'] * 16:,} tokens, {x['nodes']:,} nodes in the prefix index", f"{x['where_ms']:.2f} ms",
+            f"bare lookup (EXISTS) {x['bare_lookup_ms']:.2f} ms", x["ratio"], "(measured)", None)
     if "idle" in out:
         c, r = out["idle"]["cpu_pct"], out["idle"]["rss_beyond_arenas_mb"]
         row("daemon at idle", f"{c:.2f} % CPU, {r:.0f} MB", "", None, "< 2 %, < 200 MB", c < 2 and r < 200)
@@ -251,7 +255,7 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(f"| {r['path']} | {r['figure']} | {r['bound']} | {ratio} | {r['target']} | "
-                     f"{'yes' if r['meets'] else 'NO'} |")
+                     f"{'—' if r['meets'] is None else 'yes' if r['meets'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -306,6 +310,9 @@ def run_bench(args) -> int:
     _say("directory with 1M blocks vs 1k" if not quick else "directory (1k vs 1M skipped in --quick)")
     if not quick:
         directory_row(repeat, out)
+    from kvtier.tools.bench_where import where_row
+
+    out["where"] = where_row(quick, repeat)
     out["rows"] = table(out)
     return finish(out, render(out["rows"]), args.json,
-                  all(out[k].get("correct", True) for k in ("get", "put", "redis", "cross_node") if k in out))
+                  all(out[k].get("correct", True) for k in ("get", "put", "redis", "cross_node", "where") if k in out))

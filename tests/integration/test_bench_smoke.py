@@ -20,6 +20,7 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["get"]["correct"] and res["get"]["all_resident"] and res["put"]["correct"] and res["redis"]["correct"]
+    assert res["where"]["correct"] and res["where"]["answer_length"] > 0
     paths = [r["path"] for r in res["rows"]]
     assert any(p.startswith("get") for p in paths) and any(p.startswith("bus") for p in paths)
     assert all(r["ratio"] is None or r["ratio"] > 0 for r in res["rows"])
