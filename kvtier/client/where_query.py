@@ -53,6 +53,8 @@ async def query_where(batches: KeyBatches, pool: str, keys: Sequence[BlockKey], 
     deepest = await _run(batches, [("HGETALL", where_key(pool, keys[held - 1]))])
     held_by = holders(deepest[0])  # {node: best tier}: gpu holders first, then by name
     nodes = sorted(held_by, key=lambda n: (TIER_RANK[held_by[n]], n))[:limit]
+    if not nodes:  # the deepest block's holders left between the two reads: ask again later
+        return Where(0, (), redis_length)
     fields = candidate_fields(nodes)
     replies: list[Any] = []
     for at in range(0, held, chunk):

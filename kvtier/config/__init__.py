@@ -21,6 +21,7 @@ from kvtier.config.schema import (
     DaemonConfig,
     EmbeddedRedisConfig,
     EventsConfig,
+    IngestConfig,
     LogConfig,
     MetricsConfig,
     NodeConfig,
@@ -32,7 +33,7 @@ from kvtier.config.schema import (
 
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
-    "EventsConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig", "PrefixIndexConfig",
-    "RedisConfig",
+    "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig",
+    "PrefixIndexConfig", "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",
 ]

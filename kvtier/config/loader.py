@@ -163,6 +163,14 @@ def _cross_check(values: dict[str, dict[str, Any]], origins: Origins,
             f"prefix_index.refresh_s: must be less than prefix_index.ttl_s ({index['refresh_s']:g} >= "
             f"{index['ttl_s']}), or a live node's entries would expire between refreshes"
             f"{_via(origins, 'prefix_index', 'refresh_s')}{_via(origins, 'prefix_index', 'ttl_s')}")
+    ingest = values["ingest"]
+    if ingest.get("engines", "").strip():
+        if not index.get("enabled"):
+            problems.append(f"ingest.engines: needs prefix_index.enabled = true (the engines' blocks go into the "
+                            f"prefix index){_via(origins, 'ingest', 'engines')}")
+        if not ingest.get("pool"):
+            problems.append(f"ingest.pool: name the pool the engines' blocks are indexed under"
+                            f"{_via(origins, 'ingest', 'pool')}")
 
 
 def _apply_env(raw: dict[str, Any], environ: Mapping[str, str], origins: Origins,

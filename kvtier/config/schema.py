@@ -103,7 +103,7 @@ class MetricsConfig:
 
 
 # A ZMQ endpoint on loopback or a unix (ipc) socket: the listeners never face the network.
-_ZMQ_LOCAL = r"tcp://(127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|localhost|\[::1\]):[0-9]{1,5}|ipc:///[^\s]+"
+_ZMQ_LOCAL = r"tcp://(127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|localhost|\[::1\]):[0-9]{1,5}|ipc:///[^\s;]+"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +132,19 @@ class PrefixIndexConfig:
     # Every block the local tiers hold is written again this often (must be below ttl_s).
     refresh_s: float = setting(number(gt=0), 300.0)
     batch_commands: int = setting(integer(1, 1 << 20), 4096)  # index commands per Redis batch
+
+
+_ENGINE = r"[A-Za-z0-9_.-]{1,64} (" + _ZMQ_LOCAL + r")( (" + _ZMQ_LOCAL + r"))?"
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    # The node's engines' KV-event publishers (vLLM --kv-events-config, SGLang), read into the
+    # prefix index as tier `engine`: "name endpoint [replay_endpoint]; ...", loopback or ipc only.
+    engines: str = setting(string(rf"\s*{_ENGINE}(\s*;\s*{_ENGINE})*\s*;?\s*", "name endpoint [replay]; ..."), "",
+                           text=True)
+    # The pool whose block size and (unsalted) key chain the engines' blocks are indexed under.
+    pool: str = setting(string(NAME_PATTERN, NAME_WHAT), "", text=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +222,7 @@ class Config:
     pools: tuple[PoolConfig, ...]
     events: EventsConfig = EventsConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    ingest: IngestConfig = IngestConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -222,6 +236,7 @@ SECTIONS: dict[str, type] = {
     "policy": PolicyConfig,
     "events": EventsConfig,
     "prefix_index": PrefixIndexConfig,
+    "ingest": IngestConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

@@ -28,6 +28,7 @@ from kvtier.core.events import Tier
 from kvtier.daemon.chores import Chores, bounded
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.embedded_redis import EmbeddedRedis
+from kvtier.daemon.engine_ingest import EngineIngest, parse_engines
 from kvtier.daemon.kv_event_publisher import KvEventPublisher, RouterEvents
 from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
@@ -73,6 +74,7 @@ class Daemon:
         self._stack = contextlib.AsyncExitStack()
         self.router_events: RouterEvents | None = None  # [events] enabled: KV events for routers
         self.prefix_index: PrefixIndexWriter | None = None  # [prefix_index] enabled
+        self.ingest: EngineIngest | None = None  # [ingest] engines
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop. What cli.py runs."""
@@ -116,6 +118,15 @@ class Daemon:
             if cfg.prefix_index.enabled:
                 self.prefix_index = PrefixIndexWriter(blocks, cfg.node.id, self.pools, cfg.prefix_index, self.log)
                 self.prefix_index.refresh()  # what a warm restart kept, listed again at once
+                if cfg.ingest.engines.strip():
+                    if cfg.ingest.pool not in self.pools:
+                        raise ValueError(f"[ingest] pool {cfg.ingest.pool!r} is not one of this daemon's pools "
+                                         f"({', '.join(sorted(self.pools))})")
+                    self.ingest = EngineIngest(parse_engines(cfg.ingest.engines), cfg.node.id,
+                                               self.pools[cfg.ingest.pool], cfg.prefix_index.ttl_s,
+                                               self.prefix_index.enqueue, asyncio.get_running_loop(), self.log)
+                    stack.callback(self.ingest.close)
+                    self.ingest.start()
             self._build_consumers(bus, staging)
             if cfg.metrics.listen:
                 self.metrics = metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
@@ -209,6 +220,8 @@ class Daemon:
         if self.prefix_index is not None:
             chores.start("prefix-index", self.prefix_index.run())
             chores.every("prefix-index-refresh", self.cfg.prefix_index.refresh_s, self.prefix_index.refresh)
+        if self.ingest is not None:
+            chores.every("engine-index-refresh", self.cfg.prefix_index.refresh_s, self.ingest.request_refresh)
         names = [self.names.client, self.names.facts, *(self.names.tier(t) for t in Tier)]
         chores.start("stream-sampler", sample_streams(bus, names, GROUP, self.stream_info,
                                                       self.cfg.metrics.stream_sample_s, self.log))
@@ -253,6 +266,7 @@ class Daemon:
             "metrics_url": self.metrics.url if self.metrics is not None else None,
             "kv_events": self.router_events.stats() if self.router_events is not None else None,
             "prefix_index": self.prefix_index.stats() if self.prefix_index is not None else None,
+            "ingest": self.ingest.stats() if self.ingest is not None else None,
         }
 
     def _write_stats(self) -> None:

@@ -39,9 +39,9 @@ class PrefixIndexWriter:
         local = [f for f in facts if f.tier != Tier.REDIS]
         stored = [(f.key, f.tier.label) for f in local if isinstance(f, Stored)]
         removed = [(f.key, f.tier.label) for f in local if isinstance(f, Removed) and isinstance(f.why, Reason)]
-        self._enqueue(index_commands(pool, self.node, stored, removed, self.cfg.ttl_s))
+        self.enqueue(index_commands(pool, self.node, stored, removed, self.cfg.ttl_s))
 
-    def _enqueue(self, cmds: list[tuple[object, ...]]) -> None:
+    def enqueue(self, cmds: list[tuple[object, ...]]) -> None:
         if len(self._queue) + len(cmds) > QUEUE_MAX:
             self.dropped += len(cmds)
             return
@@ -72,7 +72,7 @@ class PrefixIndexWriter:
                 index = rt.placement.tiers.get(tier)
                 if index is None:
                     continue
-                self._enqueue(index_commands(name, self.node, [(e.key, tier.label) for e in index.ready()], [],
+                self.enqueue(index_commands(name, self.node, [(e.key, tier.label) for e in index.ready()], [],
                                              self.cfg.ttl_s))
 
     def stats(self) -> dict[str, int]:

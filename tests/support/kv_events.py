@@ -85,3 +85,59 @@ def send_raw(endpoint: str, frames: list[bytes]) -> bool:
     finally:
         s.close(linger=0)
         ctx.term()
+
+
+class FakeEngine:
+    """An engine's KV-event publisher as vLLM's ZmqEventPublisher speaks it: PUB for the events,
+    ROUTER answering replay requests from a buffer (a thread serves them)."""
+
+    def __init__(self, pub: str, replay: str | None) -> None:
+        import threading
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(pub)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_requests = 0
+        self._stop = threading.Event()
+        self._router = None
+        if replay:
+            self._router = self.ctx.socket(zmq.ROUTER)
+            self._router.bind(replay)
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+    def publish(self, seq: int, events: list, *, send: bool = True, raw: list[bytes] | None = None) -> None:
+        payload = msgpack.packb([time.time(), events, 0])
+        self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart(raw or [b"kv@node@model", seq.to_bytes(8, "big", signed=True), payload])
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)
+
+    def _serve(self) -> None:
+        assert self._router is not None
+        while not self._stop.is_set():
+            if not self._router.poll(100):
+                continue
+            ident, _, start = self._router.recv_multipart()
+            self.replay_requests += 1
+            first = int.from_bytes(start, "big", signed=True)
+            for seq, payload in list(self.buffer):
+                if seq >= first:
+                    self._router.send_multipart([ident, b"", b"kv@node@model", seq.to_bytes(8, "big"), payload])
+            self._router.send_multipart([ident, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._router is not None:
+            self._thread.join(2)
+            self._router.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+def block_stored(hashes: list[int], parent: int | None, tokens: list[int], block_size: int = 16) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None}

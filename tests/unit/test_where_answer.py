@@ -10,7 +10,7 @@ def h(*fields: str) -> dict[bytes, bytes]:
 
 
 def test_holders_best_tier_and_malformed_fields_ignored() -> None:
-    assert holders(h("a|cpu", "a|gpu", "b|cpu")) == {"a": "gpu", "b": "cpu"}
+    assert holders(h("a|cpu", "a|gpu", "b|cpu", "n/e0|engine")) == {"a": "gpu", "b": "cpu", "n/e0": "engine"}
     assert holders({b"nopipe": b"1", b"|cpu": b"1", b"a|tape": b"1", b"a|redis": b"1", b"\xff|cpu": b"1"}) == {
         "\ufffd": "cpu"}
     assert holders(None) == {} and holders({}) == {}
@@ -21,13 +21,14 @@ def test_leading() -> None:
 
 
 def test_verified_runs_follow_each_candidate_to_its_first_gap() -> None:
-    nodes = ["a", "b"]
-    assert candidate_fields(nodes) == ["a|gpu", "a|cpu", "b|gpu", "b|cpu"]
-    replies = [[None, b"1", b"1", None], [b"1", None, b"1", b"1"], [None, b"1", None, None], [None, b"1", b"1", None]]
+    nodes = ["a", "b/e0"]
+    assert candidate_fields(nodes) == ["a|engine", "a|gpu", "a|cpu", "b/e0|engine", "b/e0|gpu", "b/e0|cpu"]
+    n = None
+    replies = [[n, n, b"1", b"1", n, n], [n, b"1", n, b"1", n, n], [n, n, b"1", n, n, n], [n, n, b"1", b"1", n, n]]
     runs = verified_runs(nodes, replies)
     assert [(r.node, r.length, r.tiers) for r in runs] == [("a", 4, ("cpu", "gpu", "cpu", "cpu")),
-                                                         ("b", 2, ("gpu", "gpu"))]
-    assert verified_runs(["c"], [[None, None]]) == []
+                                                         ("b/e0", 2, ("engine", "engine"))]
+    assert verified_runs(["c"], [[None, None, None]]) == []
 
 
 def test_index_commands() -> None:
