@@ -64,9 +64,14 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
 
     kv = KVTransferConfig(**json.loads(args.kv_transfer_config)) if args.kv_transfer_config else None
+    extra = {}
+    if args.kv_events_config:
+        from vllm.config.kv_events import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
               enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=4,
-              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0)
+              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0, **extra)
     answer("KVTIER-READY")
     for line in sys.stdin:
         if not line.strip():
@@ -95,10 +100,12 @@ def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extr
 
 class EngineProcess:
     def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None = None,
-                 prefix_caching: bool = True, env: dict | None = None) -> None:
+                 prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None) -> None:
         cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_events_config is not None:  # vLLM's own KV-event publisher (KVEventsConfig's fields)
+            cmd += ["--kv-events-config", json.dumps(kv_events_config)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
         self.log_path = log_path
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     sv = sub.add_parser("serve")
     sv.add_argument("--model", required=True)
     sv.add_argument("--kv-transfer-config", default="")
+    sv.add_argument("--kv-events-config", default="", help="vLLM KVEventsConfig fields as JSON")
     sv.add_argument("--block-size", type=int, default=32)
     sv.add_argument("--max-model-len", type=int, default=4096)
     sv.add_argument("--kv-cache-mib", type=int, default=64)

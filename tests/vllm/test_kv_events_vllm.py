@@ -72,3 +72,30 @@ def test_vllm_decodes_every_field(node_factory, ipc) -> None:
         assert all(isinstance(e, (BlockStored, BlockRemoved, AllBlocksCleared)) for e in evs)
     finally:
         sub.close()
+
+
+def test_a_real_engine_publishes_and_where_names_it(node_factory, tiny_model, tmp_path, ipc) -> None:
+    """vLLM on CPU with --kv-events-config: kvtier ingests its events, and `where` names that engine
+    (tier engine) for the prompt's full blocks."""
+    from kvtier.tools.vllm_engine import EngineProcess
+    from tests.vllm.conftest import PROMPTS
+
+    pub, rep = ipc
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": rep,
+              "topic": "kv@test@tiny"}
+    node = node_factory("evi", extra=f'[prefix_index]\nenabled = true\n[ingest]\nengines = "vllm0 {pub} {rep}"\n'
+                                     f'pool = "{POOL}"\n')
+    prompt = PROMPTS["P1"]  # 11 full blocks of 32 tokens, and a partial one
+    with EngineProcess(tiny_model, tmp_path / "engine.log", kv_events_config=events) as eng:
+        eng.generate(prompt)
+        with SyncClient(node.runtime_dir) as c:
+            keys = c.block_keys(POOL, prompt)
+            holder = f"{node.node}/vllm0"
+            deadline = time.monotonic() + 60
+            while True:
+                w = c.where(POOL, keys)
+                if any(r.node == holder and r.length == len(keys) and set(r.tiers) == {"engine"} for r in w.nodes):
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"where never named the engine: {w}; ingest {node.stats().get('ingest')}")
+                time.sleep(0.2)
