@@ -378,3 +378,28 @@ async def _pulled(client: Client, keys) -> bool:
     if missing:
         await client.prefetch("t", missing)
     return not missing
+
+
+async def test_the_prefix_index_on_a_cluster(daemon_factory, cluster):
+    """`where` (issue 16) on a 3-master cluster: the index hashes spread over the masters like the
+    blocks, and the answer names the node holding the chain and counts what Redis holds."""
+    index = '[prefix_index]\nenabled = true\nttl_s = 60\nrefresh_s = 5.0\n'
+    a = daemon_factory(node="wa", redis_url=cluster.url, gpu=0, extra=THROUGH + index)
+    b = daemon_factory(node="wb", redis_url=cluster.url, gpu=0, extra=index)
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys = ca.block_keys("t", list(range(16 * 6)), salt=b"where-cluster")
+        assert (await ca.put("t", keys, make_kv(6, seed=8))).staged == 6
+
+        async def named():
+            w = await cb.where("t", keys)
+            ok = w.best is not None and w.best.node == a.node and w.length == 6 and w.redis_length == 6
+            return w if ok else None
+
+        await async_wait_until(named, timeout=20, message="where names node A on the cluster")
+    rc = cluster.client()
+    masters_with_index = 0
+    for m in cluster.masters():
+        with m.client() as mc:
+            masters_with_index += bool(mc.keys("kvtier:where:*"))
+    assert masters_with_index >= 2, "the index hashes spread over the masters"
+    rc.close()
