@@ -45,11 +45,11 @@ $(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh
 	PYTHON=$(PYTHON) scripts/setup-venv.sh $(VENV)
 	touch $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh
+$(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh scripts/lib-cpu-torch.sh
 	PYTHON=$(PYTHON) scripts/setup-vllm-venv.sh $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
-$(SGLANG_STAMP): pyproject.toml constraints.txt scripts/setup-sglang-venv.sh
+$(SGLANG_STAMP): pyproject.toml constraints.txt scripts/setup-sglang-venv.sh scripts/lib-cpu-torch.sh
 	PYTHON=$(PYTHON) scripts/setup-sglang-venv.sh $(SGLANG_VENV)
 	touch $(SGLANG_STAMP)
 

@@ -13,11 +13,8 @@ lmcache_version=0.5.6
 constraints="$PWD/constraints.txt"
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-if ls /opt/wheels/torch-${torch_version}+cpu-*.whl >/dev/null 2>&1; then
-    "${pip[@]}" install -q -c "$constraints" --find-links /opt/wheels "torch==${torch_version}"
-else
-    "${pip[@]}" install -q -c "$constraints" --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}"
-fi
+source scripts/lib-cpu-torch.sh
+install_cpu_torch setup-lmcache
 "${pip[@]}" install -q --no-deps "lmcache==${lmcache_version}"
 "${pip[@]}" install -q -c "$constraints" numpy  # the benchmark's buffers
 "$venv/bin/python" -c 'from lmcache.lmcache_redis import LMCacheRedisClient; print("setup-lmcache: ok")' 2>/dev/null

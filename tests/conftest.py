@@ -34,7 +34,7 @@ def redis_url(redis_server: RedisProcess) -> str:
 def daemon_factory(tmp_path, redis_url):
     """Start real daemons on the session's Redis; every one is stopped (or killed) at teardown."""
     from kvtier.tools.daemon_process import DaemonProcess
-    from tests.support.daemon_proc import write_config
+    from tests.support.daemon_proc import stop_all, write_config
 
     started: list[DaemonProcess] = []
     counter = iter(range(1000))
@@ -48,9 +48,4 @@ def daemon_factory(tmp_path, redis_url):
         return d.start() if start else d
 
     yield make
-    for d in started:
-        if d.alive:
-            try:
-                d.stop(10)
-            except Exception:
-                d.kill()
+    stop_all(started)

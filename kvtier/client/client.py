@@ -25,11 +25,10 @@ from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.client.access import AccessReports
 from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.client.pools import ClientPool, host_rows, map_pools
+from kvtier.client.redis_queries import RedisQueries
 from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup, PutResult
-from kvtier.client.where_query import query_where
 from kvtier.core.events import Prefetch, Put, StagedBlock, Tier, TokenIds
-from kvtier.core.where import Where
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, encode_tokens, root_key
 from kvtier.logs import Log
@@ -38,7 +37,6 @@ from kvtier.processes import pid_alive
 from kvtier.runtime import DESCRIPTOR, runtime_dir_for
 from kvtier.shm.staging import StagingWriter
 from kvtier.store.batches import batches_for
-from kvtier.store.redis_blocks import redis_block_key
 
 T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
 R = TypeVar("R")  # what it answers per item
@@ -50,7 +48,7 @@ DESCRIPTOR_CHECK_S = 0.5  # how often calls look for a restarted daemon (a new e
 STREAM_MAXLEN = 100_000
 
 
-class Client:
+class Client(RedisQueries):
     def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: AsyncRedis,
                  staging_blocks: int, log: Log, copy_threads: int | None = None,
                  blocks_redis: AsyncRedis | None = None, remote_timeout: float = 2.0) -> None:
@@ -173,60 +171,6 @@ class Client:
                 break
             tiers.append(hit[0])
         return Lookup(len(tiers), tuple(tiers))
-
-    async def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
-        """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
-        Blocks Redis could not be asked about (it, or the cluster master serving them, is
-        unreachable) count as absent, so with Redis down the answer is the local one."""
-        local = self.lookup(pool, keys)
-        rest = keys[local.length:]
-        if not rest:
-            return local
-        found = await self._in_redis(pool, rest, "client.locate_redis_failed")
-        n = next((i for i, f in enumerate(found) if not f), len(found))
-        return Lookup(local.length, local.tiers, n)
-
-    async def present(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
-        """Per key, not as a prefix: resident on this node, or in Redis (written by any node).
-        Keys Redis could not be asked about (it is unreachable) count as absent."""
-        p = self.pool(pool)
-        found = [p.locate(check_key(k)) is not None for k in keys]
-        rest = [i for i, f in enumerate(found) if not f]
-        if rest:
-            for i, f in zip(rest, await self._in_redis(pool, [keys[i] for i in rest], "client.present_redis_failed")):
-                found[i] = f
-        return found
-
-    async def _in_redis(self, pool: str, keys: Sequence[bytes], failed: str) -> list[bool]:
-        """One pipelined EXISTS per key on the blocks Redis (per master, on a cluster). A key
-        Redis could not answer for is absent; one log line (`failed`) and one error per call."""
-        names = [redis_block_key(pool, bytes(check_key(k))) for k in keys]
-        answers = await self._block_batches.run([("EXISTS", n) for n in names])
-        errors = [a for a in answers if isinstance(a, Exception)]
-        if errors:
-            self.stats.event_errors += 1
-            self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
-        return [not isinstance(a, Exception) and bool(a) for a in answers]
-
-    async def where(self, pool: str, keys: Sequence[bytes]) -> Where:
-        """The router's question, from the cluster prefix index (core/where.py), kept by every
-        daemon with [prefix_index] enabled: which nodes hold the longest leading run of `keys`
-        locally, in which tier, and how much of it Redis holds (asked of Redis itself): see
-        client/where_query.py. Redis errors raise."""
-        self.pool(pool)
-        return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
-
-    async def epoch(self, pool: str, name: str, *, bump: bool = False) -> int:
-        """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix
-        it into their keys: bumping it retires every block written under the old value, on every
-        node at once, without deleting blocks that other namespaces share (they age out by LRU).
-        A reader that has not seen the new value yet still finds the old blocks: callers bound
-        that staleness (the SGLang backend reads the value again every second). Redis errors
-        raise."""
-        self.pool(pool)
-        key = f"kvtier:epoch:{pool}:{name}"
-        value = await (self._redis.incr(key) if bump else self._redis.get(key))
-        return int(value or 0)
 
     # --- get -----------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ Without SGLang these tests fail at collection, never skip: a skipped engine test
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from kvtier.tools.daemon_process import DaemonProcess
 from tests.sglang.host_pool import MHAHostPool
-from tests.support.daemon_proc import write_config
+from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
 
 POOL = "sgl"
@@ -56,27 +55,8 @@ def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisPr
                  ) -> Iterator[Callable[..., DaemonProcess]]:
     """Real daemons ("nodes") on the module's Redis, writing through to it so that another node
     finds their blocks; each is stopped (or killed) at teardown."""
-    started: list[DaemonProcess] = []
-    directory = tmp_path_factory.mktemp("nodes")
-
-    def make(name: str = "n", pools: str | None = None, redis_url: str | None = None) -> DaemonProcess:
-        node = f"{name}-{uuid.uuid4().hex[:8]}"
-        cfg = write_config(directory, node=node, redis_url=redis_url or module_redis.url,
-                           extra='[policy]\nredis_write = "write-through"\n',
-                           pools_toml=pools if pools is not None else pool_toml())
-        d = DaemonProcess(cfg, directory / f"rt-{node}")
-        started.append(d)
-        return d.start()
-
-    yield make
-    for d in started:
-        if d.alive:
-            try:
-                d.stop(10)
-            except Exception:
-                d.kill()
-        for seg in Path("/dev/shm").glob(f"kvtier.{d.node}.*"):
-            seg.unlink(missing_ok=True)
+    with node_daemons(tmp_path_factory.mktemp("nodes"), module_redis.url, pool_toml) as make:
+        yield make
 
 
 def storage_config(runtime_dir: Path | str, *, tp_rank: int = 0, tp_size: int = 1, model: str = "org/model",

@@ -1,8 +1,13 @@
-"""Daemon configs for the integration tests; the process harness is kvtier.tools.daemon_process."""
+"""Daemon configs and daemon sets for the tests; the process harness is kvtier.tools.daemon_process."""
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from kvtier.tools.daemon_process import DaemonProcess
 
 POOL_TOML = """
 [pools.{name}]
@@ -56,3 +61,41 @@ listen = "127.0.0.1:0"  # a free port: test daemons run side by side
 stream_sample_s = 0.2
 """ + (pools_toml if pools_toml is not None else POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu)))
     return path
+
+
+def stop_all(started: list[DaemonProcess], *, unlink_segments: bool = False) -> None:
+    """Teardown: stop each daemon (kill it if it will not stop); with `unlink_segments`, also
+    remove what a killed daemon left in /dev/shm for a warm restart that will not come."""
+    for d in started:
+        if d.alive:
+            try:
+                d.stop(10)
+            except Exception:
+                d.kill()
+        if unlink_segments:
+            for seg in Path("/dev/shm").glob(f"kvtier.{d.node}.*"):
+                seg.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def node_daemons(directory: Path, redis_url: str, pools_toml: Callable[[], str]
+                 ) -> Iterator[Callable[..., DaemonProcess]]:
+    """Engine tests' nodes: real daemons on one Redis, writing blocks through to it so that another
+    node finds them (`policy`), with the suite's pool tables (`pools_toml()`); stopped at exit."""
+    started: list[DaemonProcess] = []
+
+    def make(name: str = "n", pools: str | None = None, policy: str = 'redis_write = "write-through"',
+             extra: str = "", redis_url: str | None = None) -> DaemonProcess:
+        node = f"{name}-{uuid.uuid4().hex[:8]}"  # names /dev/shm segments: unique across sessions
+        cfg = write_config(directory, node=node, redis_url=redis_url or default_url,
+                           extra=f"[policy]\n{policy}\n{extra}",
+                           pools_toml=pools if pools is not None else pools_toml())
+        d = DaemonProcess(cfg, directory / f"rt-{node}")
+        started.append(d)
+        return d.start()
+
+    default_url = redis_url
+    try:
+        yield make
+    finally:
+        stop_all(started, unlink_segments=True)

@@ -6,7 +6,6 @@ Without vLLM these tests fail at collection, never skip: a skipped engine test i
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.daemon_process import DaemonProcess
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
-from tests.support.daemon_proc import write_config
+from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
 
 POOL = "tiny"
@@ -70,25 +69,5 @@ def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisPr
                  ) -> Iterator[Callable[..., DaemonProcess]]:
     """Real daemons ("nodes") on the module's Redis, writing blocks through to it at once so that
     another node finds them; each is stopped (or killed) at teardown."""
-    started: list[DaemonProcess] = []
-    directory = tmp_path_factory.mktemp("nodes")
-
-    def make(name: str, pools: str | None = None, policy: str = 'redis_write = "write-through"',
-             extra: str = "") -> DaemonProcess:
-        node = f"{name}-{uuid.uuid4().hex[:8]}"  # names /dev/shm segments: unique across sessions
-        cfg = write_config(directory, node=node, redis_url=module_redis.url, extra=f"[policy]\n{policy}\n{extra}",
-                           pools_toml=pools if pools is not None else pool_toml())
-        d = DaemonProcess(cfg, directory / f"rt-{node}")
-        started.append(d)
-        return d.start()
-
-    yield make
-    for d in started:
-        if d.alive:
-            try:
-                d.stop(10)
-            except Exception:
-                d.kill()
-        # A killed daemon leaves its arenas for a warm restart that will not come: remove them.
-        for seg in Path("/dev/shm").glob(f"kvtier.{d.node}.*"):
-            seg.unlink(missing_ok=True)
+    with node_daemons(tmp_path_factory.mktemp("nodes"), module_redis.url, pool_toml) as make:
+        yield make

@@ -4,7 +4,6 @@ what llm-d's indexer and Dynamo's router read from a vLLM engine, read here from
 from __future__ import annotations
 
 import shutil
-import time
 
 import msgspec
 import pytest
@@ -21,6 +20,7 @@ from vllm.distributed.kv_events import (
 from kvtier.client import SyncClient
 from kvtier.core.kv_events import block_hash
 from tests.support.kv_events import Subscriber, endpoints, events_toml, replay
+from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL
 
 
@@ -54,13 +54,13 @@ def test_vllm_decodes_every_field(node_factory, ipc) -> None:
                 sub.drain()
                 return [decode.decode(m[2]) for m in sub.messages]
 
-            deadline = time.monotonic() + 15
-            while True:
+            def both_media():
                 evs = [e for b in batches() for e in b.events]
                 cpu, redis = stored(evs, MEDIUM_CPU), stored(evs, MEDIUM_STORAGE)
-                if sum(len(e.block_hashes) for e in cpu) >= 3 and sum(len(e.block_hashes) for e in redis) >= 3:
-                    break
-                assert time.monotonic() < deadline, f"no BlockStored for CPU and STORAGE: {evs}"
+                full = sum(len(e.block_hashes) for e in cpu) >= 3 and sum(len(e.block_hashes) for e in redis) >= 3
+                return (evs, cpu, redis) if full else None
+
+            evs, cpu, redis = wait_until(both_media, 15, message="BlockStored for CPU and STORAGE")
         for e in cpu + redis:
             assert e.block_size == BS and e.lora_id is None and e.lora_name is None
             assert len(e.token_ids) == BS * len(e.block_hashes)
@@ -91,11 +91,9 @@ def test_a_real_engine_publishes_and_where_names_it(node_factory, tiny_model, tm
         with SyncClient(node.runtime_dir) as c:
             keys = c.block_keys(POOL, prompt)
             holder = f"{node.node}/vllm0"
-            deadline = time.monotonic() + 60
-            while True:
+
+            def named():
                 w = c.where(POOL, keys)
-                if any(r.node == holder and r.length == len(keys) and set(r.tiers) == {"engine"} for r in w.nodes):
-                    break
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"where never named the engine: {w}; ingest {node.stats().get('ingest')}")
-                time.sleep(0.2)
+                return any(r.node == holder and r.length == len(keys) and set(r.tiers) == {"engine"} for r in w.nodes)
+
+            wait_until(named, 60, interval=0.2, message="where names the engine for the whole prompt")

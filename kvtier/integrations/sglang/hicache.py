@@ -21,8 +21,6 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
 
 from __future__ import annotations
 
-import hashlib
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,13 +31,11 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvtier.client.discovery import library_logger
 from kvtier.client.sync import SyncClient
-from kvtier.errors import UnknownPool
 from kvtier.integrations.counters import Counters, LogThrottle
-from kvtier.integrations.namespaced_keys import KeyMapper, namespace_bytes
 from kvtier.integrations.sglang import hicache_pages as pages
 from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettings
-from kvtier.integrations.sglang.hicache_keys import key_mapper, namespace_fields, page_key
-from kvtier.integrations.sglang.hicache_link import HiCacheLink, PoolMismatch
+from kvtier.integrations.sglang.hicache_link import HiCacheLink, check_pool
+from kvtier.integrations.sglang.hicache_namespace import EpochUnknown, PageNamespace
 
 T = TypeVar("T")
 
@@ -57,22 +53,7 @@ COUNTERS = (
     "epoch_unknown",  # calls answered as misses because the namespace's epoch was never read
 )
 METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
-EPOCH_REFRESH_S = 1.0  # how stale a backend's view of its namespace's epoch (clear) may be
-EPOCH_TIMEOUT_S = 0.25  # a slow Redis must not hold a page lookup up for long
-EPOCH_RETRY_S = 5.0  # ... nor every lookup: after a failure, ask again this much later
 REMOTE_CHUNK = 32  # pages read through per call: bounds the scratch buffer (32 x 8 MiB for Llama-8B at page 64)
-
-
-class EpochUnknown(Exception):
-    """The namespace's epoch is not known yet (Redis unreachable since start): a miss."""
-
-
-def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:
-    want = f"block_tokens = {page_size}" if page_size else "block_tokens = SGLang's --page-size"
-    size = f" and blocks of {page_bytes} bytes" if page_bytes else ""
-    return (f"Serve a pool [pools.{pool}] with {want}{size}: for MHA, layers, kv_heads (per TP rank), "
-            f"head_dim and dtype as SGLang's KV cache (block bytes = 2 x layers x kv_heads x block_tokens x "
-            f"head_dim x dtype size), or any shape of the same bytes. docs/integrations/sglang.md")
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -91,21 +72,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.counters = Counters(COUNTERS)
         self.writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
-        # Until SGLang registers its host pool, the layout is what the config says and the page
-        # geometry is the kvtier pool's (register checks that the two agree).
-        self._layout = "page_first" if storage_config.is_page_first_layout else "layer_first"
-        self._page_size: int | None = None
-        self._page_bytes: int | None = None
-        self._host_geometry: dict[str, Any] | None = None
-        # The namespace (once the page geometry is known), its epoch and the mapper built from
-        # both: read by SGLang's prefetch and backup threads at once, so changed under one lock.
-        self._ns_lock = threading.Lock()
-        self._fields: dict[str, Any] | None = None
-        self._mapper: KeyMapper | None = None
-        self._mapper_epoch = -1
-        self._epoch: int | None = None  # None until read from Redis: no page is served or written
-        self._epoch_name = ""
-        self._epoch_next = 0.0
+        self.ns = PageNamespace(storage_config, self.settings.pool, self.settings.salt, self.warn)
         self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
                                                   ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                    "backup_bandwidth")}
@@ -127,73 +94,18 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if view.size != page_bytes:
                 raise ConfigError(f"SGLang's host page view is {view.size} bytes, its pages {page_bytes}: leave "
                                   "interface_v1 out of the extra config")
-        with self._ns_lock:
-            self._layout = str(getattr(mem_pool_host, "layout", self._layout))
-            self._page_size, self._page_bytes = page_size, page_bytes
-            self._host_geometry = pages.host_geometry(mem_pool_host)
-            self._fields, self._mapper = None, None
+        self.ns.set_host(str(getattr(mem_pool_host, "layout", self.ns.layout)), page_size, page_bytes,
+                         pages.host_geometry(mem_pool_host))
         client = self.link.client()
         if client is not None:
             self._check_pool(client)  # PoolMismatch: SGLang's attach fails with the reason
-        self.log.info("sglang_hicache.host_pool", layout=self._layout, page_size=self._page_size,
-                      page_bytes=self._page_bytes)
+        self.log.info("sglang_hicache.host_pool", layout=self.ns.layout, page_size=page_size, page_bytes=page_bytes)
 
     def _check_pool(self, client: SyncClient) -> None:
-        try:
-            p = client.pool(self.settings.pool)
-        except UnknownPool as e:
-            raise PoolMismatch(f"kvtier pool {self.settings.pool!r} is not served by the daemon ({e}). "
-                               + pool_help(self.settings.pool, self._page_size, self._page_bytes)) from e
-        if self._page_size is not None and p.layout.block_tokens != self._page_size:
-            raise PoolMismatch(f"SGLang's page size is {self._page_size} tokens but kvtier pool "
-                               f"{self.settings.pool!r} has block_tokens = {p.layout.block_tokens}; they must be "
-                               "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
-        if self._page_bytes is not None and p.block_bytes != self._page_bytes:
-            raise PoolMismatch(f"SGLang's pages are {self._page_bytes} bytes but kvtier pool "
-                               f"{self.settings.pool!r} holds blocks of {p.block_bytes} bytes; they must be "
-                               "equal. " + pool_help(self.settings.pool, self._page_size, self._page_bytes))
+        check_pool(client, self.settings.pool, self.ns.page_size, self.ns.page_bytes)
 
     def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
-        mapper = self._mapper_for(client)  # one mapper for the whole call: one epoch per batch
-        return [page_key(mapper, k) for k in keys]
-
-    def _mapper_for(self, client: SyncClient) -> KeyMapper:
-        """The key mapper of the namespace's current epoch; EpochUnknown (a miss) until the epoch
-        has been read once, so that a backend never serves or writes pages a clear() retired."""
-        now = time.monotonic()
-        with self._ns_lock:
-            if self._fields is None:
-                p = client.pool(self.settings.pool)
-                self._fields = namespace_fields(
-                    self.storage_config, layout=self._layout,
-                    page_size=self._page_size if self._page_size is not None else p.layout.block_tokens,
-                    page_bytes=self._page_bytes if self._page_bytes is not None else p.block_bytes,
-                    salt=self.settings.salt, host=self._host_geometry)
-                self._epoch_name = hashlib.sha256(namespace_bytes(self._fields)).hexdigest()[:32]
-                self._epoch, self._epoch_next = None, 0.0
-            due, name = now >= self._epoch_next, self._epoch_name
-            if due:
-                self._epoch_next = now + EPOCH_REFRESH_S  # one thread asks; the others go on
-        if due:
-            try:
-                self._raise_epoch(name, client.epoch(self.settings.pool, name, timeout=EPOCH_TIMEOUT_S))
-            except Exception as e:  # Redis down or slow: the last epoch stands, asked again later
-                with self._ns_lock:
-                    self._epoch_next = now + EPOCH_RETRY_S
-                self.warn.warning("sglang_hicache.epoch_unknown", error=f"{type(e).__name__}: {e}", epoch=self._epoch)
-        with self._ns_lock:
-            if self._epoch is None or self._fields is None:
-                raise EpochUnknown("the namespace's epoch has not been read from Redis yet")
-            if self._mapper is None or self._mapper_epoch != self._epoch:
-                self._mapper = key_mapper({**self._fields, "epoch": self._epoch})
-                self._mapper_epoch = self._epoch
-            return self._mapper
-
-    def _raise_epoch(self, name: str, epoch: int) -> None:
-        """Epochs only go up: a refresh answered before a clear() must not undo it."""
-        with self._ns_lock:
-            if name == self._epoch_name and (self._epoch is None or epoch > self._epoch):
-                self._epoch = epoch
+        return self.ns.keys(client, keys)
 
     def _parent(self, client: SyncClient, extra_info: Any) -> bytes | None:
         prefix = getattr(extra_info, "prefix_keys", None)
@@ -440,7 +352,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if n and self.storage_config.enable_storage_metrics:
             dt = max(time.perf_counter() - t0, 1e-9)
             self._metrics[f"{kind}_pgs"].append(n)
-            self._metrics[f"{kind}_bandwidth"].append(n * (self._page_bytes or 0) / dt / 1e9)
+            self._metrics[f"{kind}_bandwidth"].append(n * (self.ns.page_bytes or 0) / dt / 1e9)
 
     def kvtier_stats(self) -> dict[str, Any]:
         """This backend's counters, and whether its daemon is reachable."""
@@ -466,12 +378,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         layouts sharing the pool are untouched. False if Redis or the daemon cannot be reached."""
 
         def run(client: SyncClient) -> bool:
-            self._mapper_for(client)  # the namespace and its epoch's name
-            with self._ns_lock:
-                name = self._epoch_name
-            self._raise_epoch(name, client.epoch(self.settings.pool, name, bump=True,
-                                                 timeout=self.settings.call_timeout_s))
-            self.log.info("sglang_hicache.cleared", epoch=self._epoch)
+            self.log.info("sglang_hicache.cleared", epoch=self.ns.bump(client, self.settings.call_timeout_s))
             return True
 
         return self._guard("clear", False, run)

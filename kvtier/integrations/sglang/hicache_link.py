@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.client.sync import SyncClient
+from kvtier.errors import UnknownPool
 from kvtier.integrations.counters import Counters, LogThrottle
 from kvtier.integrations.sglang.hicache_config import HiCacheSettings
 
@@ -26,6 +27,29 @@ HEALTH_S = 0.5
 
 class PoolMismatch(ValueError):
     """The daemon's pool cannot hold SGLang's pages (absent, or another page size or byte size)."""
+
+
+def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:
+    want = f"block_tokens = {page_size}" if page_size else "block_tokens = SGLang's --page-size"
+    size = f" and blocks of {page_bytes} bytes" if page_bytes else ""
+    return (f"Serve a pool [pools.{pool}] with {want}{size}: for MHA, layers, kv_heads (per TP rank), "
+            f"head_dim and dtype as SGLang's KV cache (block bytes = 2 x layers x kv_heads x block_tokens x "
+            f"head_dim x dtype size), or any shape of the same bytes. docs/integrations/sglang.md")
+
+
+def check_pool(client: SyncClient, pool: str, page_size: int | None, page_bytes: int | None) -> None:
+    """PoolMismatch unless the daemon serves `pool` with SGLang's page size and bytes (those known)."""
+    try:
+        p = client.pool(pool)
+    except UnknownPool as e:
+        raise PoolMismatch(f"kvtier pool {pool!r} is not served by the daemon ({e}). "
+                           + pool_help(pool, page_size, page_bytes)) from e
+    if page_size is not None and p.layout.block_tokens != page_size:
+        raise PoolMismatch(f"SGLang's page size is {page_size} tokens but kvtier pool {pool!r} has block_tokens = "
+                           f"{p.layout.block_tokens}; they must be equal. " + pool_help(pool, page_size, page_bytes))
+    if page_bytes is not None and p.block_bytes != page_bytes:
+        raise PoolMismatch(f"SGLang's pages are {page_bytes} bytes but kvtier pool {pool!r} holds blocks of "
+                           f"{p.block_bytes} bytes; they must be equal. " + pool_help(pool, page_size, page_bytes))
 
 
 class HiCacheLink:

@@ -1,0 +1,86 @@
+"""The client's questions that go to Redis itself rather than to this node's shared memory: what
+Redis holds after the local head (locate, present), the cluster prefix index (where), and the
+epoch counters integrations mix into their keys. A mixin of Client, which provides the pools, the
+blocks Redis (per master on a cluster), the bus Redis, the stats and the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.bus.connect import AsyncRedis
+from kvtier.client.pools import ClientPool
+from kvtier.client.results import ClientStats, Lookup
+from kvtier.client.where_query import query_where
+from kvtier.core.where import Where
+from kvtier.keys import check_key
+from kvtier.logs import Log
+from kvtier.store.commands import KeyBatches
+from kvtier.store.redis_blocks import redis_block_key
+
+
+class RedisQueries:
+    _block_batches: KeyBatches
+    _redis: AsyncRedis
+    stats: ClientStats
+    log: Log
+
+    def pool(self, name: str) -> ClientPool:
+        raise NotImplementedError  # Client's
+
+    def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        raise NotImplementedError  # Client's
+
+    async def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
+        """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
+        Blocks Redis could not be asked about (it, or the cluster master serving them, is
+        unreachable) count as absent, so with Redis down the answer is the local one."""
+        local = self.lookup(pool, keys)
+        rest = keys[local.length:]
+        if not rest:
+            return local
+        found = await self._in_redis(pool, rest, "client.locate_redis_failed")
+        n = next((i for i, f in enumerate(found) if not f), len(found))
+        return Lookup(local.length, local.tiers, n)
+
+    async def present(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, not as a prefix: resident on this node, or in Redis (written by any node).
+        Keys Redis could not be asked about (it is unreachable) count as absent."""
+        p = self.pool(pool)
+        found = [p.locate(check_key(k)) is not None for k in keys]
+        rest = [i for i, f in enumerate(found) if not f]
+        if rest:
+            for i, f in zip(rest, await self._in_redis(pool, [keys[i] for i in rest], "client.present_redis_failed")):
+                found[i] = f
+        return found
+
+    async def _in_redis(self, pool: str, keys: Sequence[bytes], failed: str) -> list[bool]:
+        """One pipelined EXISTS per key on the blocks Redis (per master, on a cluster). A key
+        Redis could not answer for is absent; one log line (`failed`) and one error per call."""
+        names = [redis_block_key(pool, bytes(check_key(k))) for k in keys]
+        answers = await self._block_batches.run([("EXISTS", n) for n in names])
+        errors = [a for a in answers if isinstance(a, Exception)]
+        if errors:
+            self.stats.event_errors += 1
+            self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
+        return [not isinstance(a, Exception) and bool(a) for a in answers]
+
+    async def where(self, pool: str, keys: Sequence[bytes]) -> Where:
+        """The router's question, from the cluster prefix index (core/where.py), kept by every
+        daemon with [prefix_index] enabled: which nodes hold the longest leading run of `keys`
+        locally, in which tier, and how much of it Redis holds (asked of Redis itself): see
+        client/where_query.py. Redis errors raise."""
+        self.pool(pool)
+        return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
+
+    async def epoch(self, pool: str, name: str, *, bump: bool = False) -> int:
+        """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix
+        it into their keys: bumping it retires every block written under the old value, on every
+        node at once, without deleting blocks that other namespaces share (they age out by LRU).
+        A reader that has not seen the new value yet still finds the old blocks: callers bound
+        that staleness (the SGLang backend reads the value again every second). Redis errors
+        raise."""
+        self.pool(pool)
+        key = f"kvtier:epoch:{pool}:{name}"
+        value = await (self._redis.incr(key) if bump else self._redis.get(key))
+        return int(value or 0)
