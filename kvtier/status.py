@@ -30,6 +30,17 @@ def _rates(pool: dict, prev_pool: dict | None, dt: float) -> str:
     return "  rates/s (" + "/".join(RATES) + "): " + "  ".join(cells)
 
 
+def _arena(a: dict) -> str:
+    pct = 100 * a["populated_bytes"] / a["bytes"] if a["bytes"] else 100.0
+    state = {"populating": f"populating {pct:.0f}%", "failed": f"population FAILED at {pct:.0f}%: {a['error']}"}
+    took = f" in {a['populate_s']:.1f}s" if a.get("populate_s") is not None and a["state"] == "populated" else ""
+    numa = "" if a.get("numa_node") is None else f"  NUMA node {a['numa_node']}"
+    huge = f"  (huge pages not used: {a['huge_fallback']})" if a.get("huge_fallback") else ""
+    return (f"  arena  {state.get(a['state'], 'populated' + took)}  "
+            f"{_mib(a['populated_bytes'])}/{_mib(a['bytes'])} MiB  slots in service {a['in_service']}/{a['slots']}  "
+            f"{a['backing']}{numa}{huge}")
+
+
 def render_status(stats: dict, prev: dict | None = None) -> str:
     """The table; with `prev` (an earlier snapshot, as `status --watch` keeps) also rates per second."""
     lines = [f"node {stats.get('node')}  pid {stats.get('pid')}  up {stats.get('uptime_s', 0):.0f}s"]
@@ -46,6 +57,9 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
             cap = t.get("capacity_bytes")
             used = f"{_mib(t['bytes'])}/{'-' if cap is None else _mib(cap)}"
             lines.append(f"  {tier:<6} {cells} {used:>15}  {_latency(t)}")
+        arena = pool.get("arena")
+        if arena:
+            lines.append(_arena(arena))
         if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
             lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))
     bus = stats.get("bus", {})

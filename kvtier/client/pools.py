@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from kvtier.errors import BadRequest, SegmentError
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
-from kvtier.shm.segment import ShmSegment
+from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import Kind, SlotTable
 from kvtier.shm.staging import StagingWriter
 
@@ -79,8 +80,11 @@ class ClientPool:
                 self.gpu_device_payload = import_ipc(g["ipc"])
             else:
                 self.tables[Tier.GPU] = SlotTable.open(seg, Kind.ARENA, fp, bb)
-        self.tables[Tier.CPU] = SlotTable.open(ShmSegment.attach(desc["cpu"]["segment"], trusted_uid=daemon_uid),
-                                               Kind.ARENA, fp, bb)
+        cpu_dir = Path(desc["cpu"].get("dir") or SHM_DIR)  # a huge-page mount, or /dev/shm
+        if not cpu_dir.is_absolute():
+            raise SegmentError(f"pool {name}: the descriptor's arena directory {cpu_dir} is not absolute")
+        self.tables[Tier.CPU] = SlotTable.open(
+            ShmSegment.attach(desc["cpu"]["segment"], trusted_uid=daemon_uid, directory=cpu_dir), Kind.ARENA, fp, bb)
         self.staging: StagingWriter | None = None
         self._users = 0  # calls copying through the mappings right now (see in_use)
         self._closing = False

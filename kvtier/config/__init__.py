@@ -15,6 +15,7 @@ from kvtier.config.render import config_to_dict, format_config, redact_url
 from kvtier.config.schema import (
     DEMO_POOL,
     ENV_PREFIX,
+    ArenaConfig,
     BusConfig,
     Config,
     ConfigError,
@@ -32,7 +33,8 @@ from kvtier.config.schema import (
 )
 
 __all__ = [
-    "DEMO_POOL", "ENV_PREFIX", "BusConfig", "Config", "ConfigError", "DaemonConfig", "EmbeddedRedisConfig",
+    "DEMO_POOL", "ENV_PREFIX", "ArenaConfig", "BusConfig", "Config", "ConfigError", "DaemonConfig",
+    "EmbeddedRedisConfig",
     "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig",
     "PrefixIndexConfig", "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",

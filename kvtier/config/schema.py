@@ -165,6 +165,25 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ArenaConfig:
+    """The cpu arenas: where their pages come from, and how they are populated (docs/operations.md)."""
+
+    # 2 MiB pages: "off" = /dev/shm's own pages; "auto" = a huge-page mount when one is usable
+    # and has room, else /dev/shm (a log line says why); "on" = a huge-page mount, or no start.
+    huge_pages: str = setting(choice("off", "auto", "on"), "off", text=True)
+    # The huge-page mount: hugetlbfs, or tmpfs mounted huge=. "" = /dev/hugepages.
+    huge_pages_dir: str = setting(string(r"(/.*)?", "an absolute path, or empty"), "", text=True)
+    # "auto" = the NUMA node of the pool's GPU when that is known, else no binding; "off"; or
+    # a node number, for every pool.
+    numa_node: str = setting(string(r"auto|off|[0-9]{1,4}", "'auto', 'off' or a node number"), "auto", text=True)
+    # Threads that populate an arena's pages in the background (0 = cores / 4, at least 1 and
+    # at most 8): the CPU population may use while the daemon already serves.
+    populate_threads: int = setting(integer(0, 64), 0)
+    # Pages are populated, and slots brought into service, this many bytes at a time.
+    populate_chunk: int = setting(size(), 64 << 20)
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyConfig:
     high_watermark: float = setting(number(gt=0, le=1), 0.9)
     low_watermark: float = setting(number(gt=0, le=1), 0.75)
@@ -223,6 +242,7 @@ class Config:
     events: EventsConfig = EventsConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     ingest: IngestConfig = IngestConfig()
+    arena: ArenaConfig = ArenaConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -237,6 +257,7 @@ SECTIONS: dict[str, type] = {
     "events": EventsConfig,
     "prefix_index": PrefixIndexConfig,
     "ingest": IngestConfig,
+    "arena": ArenaConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

@@ -8,13 +8,19 @@ None return that changes nothing.
 Prefix awareness: an entry counts its children resident in the same tier. Only entries with no
 resident children are eviction candidates, so a chain's tail always leaves before its head (as
 in vLLM and SGLang). Pinned entries (being read or transferred) are never candidates.
+
+Slots come into service over time: a big cpu arena is populated in the background, and only a
+slot whose pages are populated may be handed out. `slots` is the tier's size, `capacity` what is
+in service now (the figure placement decides by); `bring_into_service` adds slots as their pages
+arrive. A warm restart may restore a block into a slot not yet in service (its pages hold the
+block, so they exist): that slot counts towards `capacity` from then on.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
@@ -37,11 +43,20 @@ class Entry:
 
 
 class TierIndex:
-    """Slots, LRU order and prefix links of one tier. `capacity` None means unbounded (Redis)."""
+    """Slots, LRU order and prefix links of one tier. `capacity` None means unbounded (Redis).
+    `in_service`: the slots usable now (default: all of them)."""
 
-    def __init__(self, capacity: int | None) -> None:
+    def __init__(self, capacity: int | None, in_service: Iterable[int] | None = None) -> None:
+        self.slots = capacity
+        # Free slots in service, as an insertion-ordered set: O(1) to take a given slot (a warm
+        # restart restores a million), and popitem() hands out the lowest slot first.
+        self._free: dict[int, None] = {}
+        self._serving = bytearray(capacity or 0)  # 1 = slot in service
+        self._early: set[int] = set()  # restored before their slot came into service
         self.capacity = capacity
-        self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
+        if capacity:
+            self.capacity = 0
+            self.bring_into_service(range(capacity) if in_service is None else in_service)
         self._entries: dict[BlockKey, Entry] = {}
         self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # READY entries, coldest first
         # READY children per parent key, whether or not the parent is here yet, so a parent that
@@ -69,6 +84,10 @@ class TierIndex:
     def free(self) -> int:
         return len(self._free) if self.capacity is not None else 1 << 62
 
+    @property
+    def fully_in_service(self) -> bool:
+        return self.slots is None or self.capacity == self.slots
+
     def ready(self) -> Iterator[Entry]:
         for key in self._lru:
             yield self._entries[key]
@@ -94,12 +113,15 @@ class TierIndex:
         elif slot is None:
             if not self._free:
                 return None
-            slot = self._free.pop()
+            slot = self._free.popitem()[0]
+        elif slot in self._free:
+            del self._free[slot]
+        elif 0 <= slot < len(self._serving) and not self._serving[slot] and slot not in self._early:
+            self._early.add(slot)  # restored ahead of its slot's population: it counts from now
+            assert self.capacity is not None
+            self.capacity += 1
         else:
-            try:
-                self._free.remove(slot)
-            except ValueError:
-                return None
+            return None  # taken, or no such slot
         e = Entry(key=key, parent=parent, slot=slot)
         self._entries[key] = e
         return e
@@ -136,8 +158,31 @@ class TierIndex:
                 else:
                     del self._kids[e.parent]
         if self.capacity is not None:
-            self._free.append(e.slot)
+            if self._serving[e.slot]:
+                self._free[e.slot] = None
+            else:  # an early slot goes back to waiting for its population
+                self._early.discard(e.slot)
+                self.capacity -= 1
         return e
+
+    def bring_into_service(self, slots: Iterable[int]) -> int:
+        """Their pages are populated: the slots may be handed out. Slots already in service, or
+        out of range, are ignored. Returns how many came into service."""
+        if self.capacity is None:
+            return 0
+        serving, early, new = self._serving, self._early, []
+        n = len(serving)
+        for s in slots:
+            if 0 <= s < n and not serving[s]:
+                serving[s] = 1
+                if s in early:
+                    early.discard(s)  # counted already, and taken
+                else:
+                    new.append(s)
+        # Reversed, so that popitem() hands out the lowest of them first.
+        self._free.update(dict.fromkeys(reversed(new)))
+        self.capacity += len(new)
+        return len(new)
 
     def touch(self, key: BlockKey) -> Entry | None:
         e = self._entries.get(key)

@@ -8,6 +8,8 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, State, TierIndex
 from kvtier.keys import BlockKey
@@ -50,6 +52,10 @@ class Residency:
         """Warm restart: a verified block found in slot `slot` of local tier `t` (READY); None
         if the slot or the key is taken already."""
         return self.tiers[t].add(key, parent, slot)
+
+    def bring_into_service(self, t: Tier, slots: Iterable[int]) -> int:
+        """Slots of local tier `t` whose pages are now populated may be handed out."""
+        return self.tiers[t].bring_into_service(slots)
 
     def unreserve(self, t: Tier, key: BlockKey) -> None:
         """The write into the reserved slot failed: free it."""

@@ -34,6 +34,7 @@ from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.daemon.population import ArenaPopulation, default_populate_threads
 from kvtier.daemon.prefix_index import PrefixIndexWriter
 from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
@@ -66,6 +67,7 @@ class Daemon:
         if cfg.daemon.failpoint:
             self.log.warning("daemon.failpoint_armed", failpoint=cfg.daemon.failpoint)
         self.started = time.monotonic()
+        self.ready_s: float | None = None  # start to READY=1
         self.bus_stats = BusStats()
         self.pools: dict[str, PoolRuntime] = {}
         self.consumers: list[Consumer] = []
@@ -75,6 +77,7 @@ class Daemon:
         self.router_events: RouterEvents | None = None  # [events] enabled: KV events for routers
         self.prefix_index: PrefixIndexWriter | None = None  # [prefix_index] enabled
         self.ingest: EngineIngest | None = None  # [ingest] engines
+        self.populations: dict[str, ArenaPopulation] = {}  # arenas still populating after READY
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start, serve until `stop` is set, stop. What cli.py runs."""
@@ -107,7 +110,8 @@ class Daemon:
             staging = StagingSegments(cfg.node.id, self.log)
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
-                rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log)
+                rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log,
+                                                    cfg.arena)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
             if cfg.events.enabled:  # before the consumers: no fact may go unannounced
                 kv = KvEventPublisher(cfg.events, self.log)
@@ -146,7 +150,9 @@ class Daemon:
             work = [tg.create_task(c.run(), name=f"consumer-{i}") for i, c in enumerate(self.consumers)]
             watch = [tg.create_task(self._watch_embedded(self.embedded))] if self.embedded is not None else []
             self.notifier.notify("READY=1", f"STATUS=serving {len(self.pools)} pool(s)", f"MAINPID={os.getpid()}")
-            self.log.info("daemon.ready", pools=sorted(self.pools), pid=os.getpid())
+            self.ready_s = round(time.monotonic() - self.started, 3)
+            self.log.info("daemon.ready", pools=sorted(self.pools), pid=os.getpid(), ready_s=self.ready_s,
+                          populating=sorted(self.populations))
             self.ready.set()
             await stop.wait()
             self.notifier.notify("STOPPING=1")
@@ -214,6 +220,11 @@ class Daemon:
         )
 
     def _start_chores(self, chores: Chores, bus: AsyncRedis, staging: StagingSegments) -> None:
+        threads = self.cfg.arena.populate_threads or default_populate_threads()
+        for name, rt in self.pools.items():
+            if rt.arena is not None and rt.arena.chunks:  # the rest of a big arena, after READY
+                pop = self.populations[name] = ArenaPopulation(rt, threads, self.log, self._restored)
+                chores.start(f"arena-{name}", pop.run())
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
         chores.every("reaper", REAP_INTERVAL_S, staging.reap)
         chores.start("loop-lag", self.loop_lag.run())
@@ -232,6 +243,14 @@ class Daemon:
         if self.notifier.watchdog_s:
             interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
             chores.every("watchdog", interval, lambda: self.notifier.notify("WATCHDOG=1"))
+
+    def _restored(self, pool: str, entries: list[Any]) -> None:
+        """A warm arena's blocks, restored as the population reaches them: announced as the
+        blocks kept at the start were."""
+        if self.router_events is not None:
+            self.router_events.announce(pool, Tier.CPU, entries)
+        if self.prefix_index is not None:
+            self.prefix_index.add_blocks(pool, Tier.CPU.label, [e.key for e in entries])
 
     def _descriptor(self, url: str, bus_url: str, gid: int | None) -> dict[str, Any]:
         return {
@@ -258,6 +277,7 @@ class Daemon:
             "pid": os.getpid(),
             "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "ready_s": self.ready_s,
             "written_at": time.time(),
             "bus": self.bus_stats.as_dict(),
             "loop": self.loop_lag.as_dict(),

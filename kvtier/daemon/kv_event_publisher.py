@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -196,19 +197,24 @@ class RouterEvents:
         of every block a warm restart kept in the local tiers."""
         for name, rt in self.pools.items():
             self.publisher.publish(self.topics[name], [all_blocks_cleared()])
-            bs = rt.layout.block_tokens
             for tier in (Tier.GPU, Tier.CPU):
                 index = rt.placement.tiers.get(tier)
-                if index is None:
-                    continue
-                medium = medium_of(tier, self._gpu_on_device(name))
-                chunk: list[dict[str, Any]] = []
-                for e in index.ready():
-                    chunk.append(block_stored([e.key], e.parent, (), bs, medium))
-                    if len(chunk) >= self.ANNOUNCE_CHUNK:
-                        self.publisher.publish(self.topics[name], chunk)
-                        chunk = []
-                self.publisher.publish(self.topics[name], chunk)
+                if index is not None:
+                    self.announce(name, tier, index.ready())
+
+    def announce(self, pool: str, tier: Tier, entries: Iterable[Any]) -> None:
+        """BlockStored for blocks that appeared without a fact: those a warm restart restores
+        (at the start, and as the arena's population brings its chunks back)."""
+        bs = self.pools[pool].layout.block_tokens
+        medium = medium_of(tier, self._gpu_on_device(pool))
+        chunk: list[dict[str, Any]] = []
+        for e in entries:
+            chunk.append(block_stored([e.key], e.parent, (), bs, medium))
+            if len(chunk) >= self.ANNOUNCE_CHUNK:
+                self.publisher.publish(self.topics[pool], chunk)
+                chunk = []
+        if chunk:
+            self.publisher.publish(self.topics[pool], chunk)
 
     def emit(self, pool: str, facts: list[Any]) -> None:
         rt = self.pools[pool]

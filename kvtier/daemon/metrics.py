@@ -18,6 +18,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
   redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
   kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
+  kvtier_arena_bytes, kvtier_arena_populated_bytes, kvtier_arena_populate_failed, kvtier_arena_page_bytes,
+  kvtier_ready_seconds
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class DaemonCollector(Collector):
                     buckets.append((le, running))
                 hist.add_metric(labels, buckets, t.get("transfer_s", 0.0))
         yield from gauges.values()
+        yield from _arena_gauges(s)
         yield from tier_c.values()
         yield hist
         yield from pool_c.values()
@@ -122,6 +125,28 @@ class DaemonCollector(Collector):
                                 value=loop.get("lag_ms", 0.0) / 1000)
         yield GaugeMetricFamily("kvtier_event_loop_lag_max_seconds", "Worst event-loop lag since start",
                                 value=loop.get("lag_max_ms", 0.0) / 1000)
+
+
+def _arena_gauges(s: dict[str, Any]) -> list[GaugeMetricFamily]:
+    """The cpu arenas' population (kvtier/daemon/population.py): a dashboard shows its progress."""
+    out = {name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in (
+        ("kvtier_arena_bytes", "Payload bytes of the cpu arena"),
+        ("kvtier_arena_populated_bytes", "Payload bytes of the cpu arena populated and in service"),
+        ("kvtier_arena_populate_failed", "1 when the arena's population stopped on an error (it serves what it has)"),
+        ("kvtier_arena_page_bytes", "Page size backing the arena (2 MiB: huge pages)"),
+    )}
+    for pool, p in sorted(s.get("pools", {}).items()):
+        a = p.get("arena")
+        if not a:
+            continue
+        out["kvtier_arena_bytes"].add_metric([pool], a["bytes"])
+        out["kvtier_arena_populated_bytes"].add_metric([pool], a["populated_bytes"])
+        out["kvtier_arena_populate_failed"].add_metric([pool], 1 if a["state"] == "failed" else 0)
+        out["kvtier_arena_page_bytes"].add_metric([pool], a["page_bytes"])
+    ready = GaugeMetricFamily("kvtier_ready_seconds", "Seconds from the daemon's start to READY")
+    if s.get("ready_s") is not None:
+        ready.add_metric([], s["ready_s"])
+    return [*out.values(), ready]
 
 
 class MetricsServer:

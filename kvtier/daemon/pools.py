@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 
-from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
+from kvtier.config import ArenaConfig, PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.policy import Placement
-from kvtier.errors import SegmentError
+from kvtier.daemon.arena import open_cpu_arena
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable, segment_bytes
 from kvtier.store.redis_blocks import RedisBlocks
+from kvtier.tiers.arena_fill import ArenaFill, plan_chunks
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.stats import PoolCounters
@@ -37,28 +38,14 @@ def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
     return ShmSegment.create(name, size, mode=_shm_mode(gid), gid=gid, reserve=True)
 
 
-def _open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, log) -> tuple[SlotTable, bool]:
-    """Re-attach a surviving arena of the same geometry (warm restart), else create a new one."""
-    if ShmSegment.exists(name):
-        seg = ShmSegment.attach(name, writable=True, trusted_uid=os.geteuid())
-        try:
-            table = SlotTable.open(seg, Kind.ARENA, layout.fingerprint, layout.block_bytes)
-            if table.n == n:
-                return table, True
-            log.info("arena.resized", segment=name, old=table.n, new=n)
-        except SegmentError as e:
-            log.warning("arena.discarded", segment=name, reason=str(e))
-        seg.close()
-        ShmSegment.unlink_name(name)
-    seg = ShmSegment.create(name, segment_bytes(n, layout.block_bytes), mode=_shm_mode(gid), gid=gid, reserve=True)
-    return SlotTable.format(seg, Kind.ARENA, n, layout.block_bytes, layout.fingerprint), False
-
-
 def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
-              gid: int | None, log) -> PoolRuntime:
+              gid: int | None, log, arena: ArenaConfig | None = None) -> PoolRuntime:
+    """Open the pool's tiers. The cpu arena is in service for its first chunk only: the rest
+    comes as kvtier/daemon/population.py populates it (`rt.arena`); an arena within one chunk
+    is fully in service on return."""
     created: list[ShmSegment] = []  # unlinked again if the pool cannot open completely
     try:
-        return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created)
+        return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created, arena or ArenaConfig())
     except BaseException:
         for seg in created:
             seg.close()
@@ -67,7 +54,7 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
 
 
 def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
-               gid: int | None, log, created: list[ShmSegment]) -> PoolRuntime:
+               gid: int | None, log, created: list[ShmSegment], arena_cfg: ArenaConfig) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
@@ -75,7 +62,13 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
     created.append(dir_seg)
     directory = DirectoryWriter.create(dir_seg, dir_cap, layout.fingerprint)
-    indices = {Tier.GPU: TierIndex(cfg.gpu_blocks), Tier.CPU: TierIndex(cfg.cpu_blocks), Tier.REDIS: TierIndex(None)}
+    arena = open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, _shm_mode(gid),
+                           arena_cfg, cfg.device, log)
+    if not arena.warm:
+        created.append(arena.table.seg)
+    # No cpu slot is in service before its chunk's pages are populated (and, warm, scanned).
+    indices = {Tier.GPU: TierIndex(cfg.gpu_blocks), Tier.CPU: TierIndex(cfg.cpu_blocks, in_service=()),
+               Tier.REDIS: TierIndex(None)}
 
     gpu_tier = None
     gpu_ipc = None
@@ -115,13 +108,19 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         promote_remote_after_reads=policy.promote_remote_after_reads,
     )
     placement = Placement(cfg.name, indices, knobs)  # from here on the one owner of the indices
-    table, warm = _open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, log)
+    table = arena.table
     cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
-    if warm:
-        kept, discarded = cpu_tier.rebuild(placement)
-        log.info("arena.reattached", segment=table.seg.name, kept=kept, discarded=discarded)
-    else:
-        log.info("arena.created", segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb)
+    fill = ArenaFill(cpu_tier, arena.filler, arena.backing, arena.warm,
+                     plan_chunks(table.n, table.stride, table.payload_off, arena_cfg.populate_chunk, arena.allocated),
+                     numa_node=arena.binder.node if arena.binder else None, huge_fallback=arena.huge_fallback)
+    # The first chunk before READY, so the pool has room from the start.
+    fill.apply(fill.prepare(fill.chunks.pop(0)), placement)
+    if not fill.chunks:
+        fill.done()
+    what = "arena.reattached" if arena.warm else "arena.created"
+    log.info(what, segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb, bytes=table.seg.size,
+             backing=arena.backing.describe, numa_node=fill.numa_node, in_service=indices[Tier.CPU].capacity,
+             kept=fill.kept, discarded=fill.discarded)
     return PoolRuntime(
         name=cfg.name,
         layout=layout,
@@ -133,11 +132,13 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         placement=placement,
         counters=PoolCounters(),
         gpu_ipc=gpu_ipc,
+        arena=fill,
     )
 
 
 def close_pool(rt: PoolRuntime, persist_arena: bool) -> None:
-    """Unlink what does not survive a restart; keep the cpu arena if asked (warm restart)."""
+    """Unlink what does not survive a restart; keep the cpu arena if asked (warm restart).
+    The arena's population must have stopped (its threads write through the mapping)."""
     for t in (rt.gpu, rt.cpu):
         if t is None:
             continue

@@ -65,6 +65,10 @@ class PrefixIndexWriter:
                                      error=f"{type(errors[0]).__name__}: {errors[0]}",
                                      detail=f"repaired by the next refresh (every {self.cfg.refresh_s:g} s)")
 
+    def add_blocks(self, pool: str, tier_label: str, keys: list) -> None:
+        """List blocks that appeared without a fact (a warm arena's, as they are restored)."""
+        self.enqueue(index_commands(pool, self.node, [(k, tier_label) for k in keys], [], self.cfg.ttl_s))
+
     def refresh(self) -> None:
         """Re-write every block a local tier holds: renews the TTLs, repairs lost updates."""
         for name, rt in self.pools.items():

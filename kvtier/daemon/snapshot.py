@@ -39,4 +39,5 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "resync_missing": rt.counters.resync_missing,
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
+        "arena": rt.arena.stats() if rt.arena is not None else None,
     }

@@ -76,7 +76,8 @@ class DirectoryWriter(DirectoryReader):
 
     @classmethod
     def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> DirectoryWriter:
-        seg.buf[: directory_bytes(capacity)] = bytes(directory_bytes(capacity))
+        if not seg.fresh:  # a new file reads as zeros already
+            seg.buf[: directory_bytes(capacity)] = bytes(directory_bytes(capacity))
         _HEAD.pack_into(seg.buf, 0, DIR_MAGIC, capacity, fingerprint)
         return cls(seg)
 

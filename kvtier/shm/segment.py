@@ -20,33 +20,42 @@ SHM_DIR = Path("/dev/shm")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # fullmatch: "$" would admit a trailing "\n"
 
 
-def _path(name: str) -> Path:
+def _path(name: str, directory: Path = SHM_DIR) -> Path:
     if not NAME_RE.fullmatch(name):
         raise SegmentError(f"invalid shared-memory name {name!r}")
-    return SHM_DIR / name
+    return directory / name
 
 
 class ShmSegment:
-    """A mapped shared-memory segment. `buf` is a writable memoryview over the whole mapping."""
+    """A mapped shared-memory segment. `buf` is a writable memoryview over the whole mapping.
 
-    def __init__(self, name: str, mapping: mmap.mmap, owner: bool) -> None:
+    Most segments live in /dev/shm; a cpu arena may live on a huge-page mount (`directory`).
+    `fd` stays open only when asked (`keep_fd`): the arena populates its pages in the background.
+    `fresh`: created by this call, so every byte reads as zero (nothing to clear)."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, owner: bool, directory: Path = SHM_DIR,
+                 fd: int | None = None, fresh: bool = False) -> None:
         self.name = name
         self._mmap = mapping
         self.buf = memoryview(mapping)
         self.size = len(mapping)
         self.owner = owner
+        self.directory = directory
+        self.fd = fd
+        self.fresh = fresh
 
     @classmethod
     def create(cls, name: str, size: int, *, mode: int = 0o600, gid: int | None = None,
-               reserve: bool = False) -> ShmSegment:
+               reserve: bool = False, directory: Path = SHM_DIR, keep_fd: bool = False) -> ShmSegment:
         """Create a new segment; fails if the name exists (never attaches a squatter's segment).
 
         `reserve`: allocate every page now (posix_fallocate, then a populated mapping). A
-        /dev/shm too small for the arena is then a clear error at start, not a SIGBUS on some
-        later write; and the first write into each slot does not pay for page allocation."""
+        /dev/shm too small for the segment is then a clear error at start, not a SIGBUS on some
+        later write; and the first write into each slot does not pay for page allocation.
+        Without it the pages are allocated later (kvtier/shm/populate.py does, for the arena)."""
         if size <= 0:
             raise SegmentError(f"segment size must be positive, got {size}")
-        path = _path(name)
+        path = _path(name, directory)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         except FileExistsError as e:
@@ -66,19 +75,25 @@ class ShmSegment:
                     raise SegmentError(f"cannot reserve {size} bytes for shared-memory segment {name}: {e} "
                                        f"(is /dev/shm large enough?)") from e
                 flags |= getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # hugetlbfs reserves the whole mapping's pages here
+                raise SegmentError(f"cannot map {size} bytes of shared-memory segment {path}: {e} "
+                                   f"(not enough free huge pages?)") from e
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return cls(name, mapping, owner=True)
+        if not keep_fd:
+            os.close(fd)
+        return cls(name, mapping, owner=True, directory=directory, fd=fd if keep_fd else None, fresh=True)
 
     @classmethod
-    def attach(cls, name: str, *, writable: bool = False, trusted_uid: int | None = None) -> ShmSegment:
+    def attach(cls, name: str, *, writable: bool = False, trusted_uid: int | None = None,
+               directory: Path = SHM_DIR, keep_fd: bool = False) -> ShmSegment:
         """Map an existing segment. With `trusted_uid`, refuse one owned by anyone else or
         writable by others: such a segment may have been planted to feed us bytes."""
-        path = _path(name)
+        path = _path(name, directory)
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
@@ -96,27 +111,33 @@ class ShmSegment:
                 raise SegmentError(f"segment {name} is owned by uid {st.st_uid}, expected {trusted_uid}; refusing")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, mapping, owner=False)
+            raise
+        if not keep_fd:
+            os.close(fd)
+        return cls(name, mapping, owner=False, directory=directory, fd=fd if keep_fd else None)
 
     @staticmethod
-    def exists(name: str) -> bool:
-        return _path(name).exists()
+    def exists(name: str, directory: Path = SHM_DIR) -> bool:
+        return _path(name, directory).exists()
 
     @staticmethod
-    def unlink_name(name: str) -> bool:
+    def unlink_name(name: str, directory: Path = SHM_DIR) -> bool:
         try:
-            _path(name).unlink()
+            _path(name, directory).unlink()
             return True
         except FileNotFoundError:
             return False
 
     def unlink(self) -> None:
-        self.unlink_name(self.name)
+        self.unlink_name(self.name, self.directory)
 
     def close(self) -> None:
         """Unmap. Views handed out (numpy arrays, tensors) must be dropped first."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         try:
             self.buf.release()
         except BufferError:

@@ -14,10 +14,9 @@ import numpy as np
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, State, TierIndex
-from kvtier.core.residency import Residency
 from kvtier.keys import BlockKey
 from kvtier.shm.directory import NO_SLOT, DirectoryWriter
-from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, SlotTable, checksum
+from kvtier.shm.slots import EMPTY_KEY, Flags, SlotTable, checksum
 
 
 class LocalTier:
@@ -133,24 +132,3 @@ class LocalTier:
         now miss), then unlist."""
         self.table.invalidate(e.slot)
         self.directory.set_slot(e.key, int(self.tier), NO_SLOT)
-
-    def rebuild(self, residency: Residency) -> tuple[int, int]:
-        """Warm restart: restore every slot whose header and checksum verify into the pool's
-        residency (the owner of the index); wipe the rest. Returns (kept, discarded)."""
-        kept = discarded = 0
-        for slot in range(self.table.n):
-            h = self.table.header(slot)
-            if h.magic == 0 and h.gen == 0:
-                continue  # never written
-            ok = (h.magic == SLOT_MAGIC and h.gen % 2 == 0 and h.flags == Flags.VALID
-                  and h.length == self.block_bytes and self.device_payload is None
-                  and checksum(self.table.payload(slot)) == h.checksum
-                  and self.index.get(BlockKey(h.key)) is None)
-            parent = None if h.parent_key is None else BlockKey(h.parent_key)
-            if ok and residency.restore(self.tier, BlockKey(h.key), parent, slot) is not None:
-                self.directory.set_slot(h.key, int(self.tier), slot)
-                kept += 1
-            else:
-                self.table.invalidate(slot)  # torn (odd gen), corrupt or a duplicate
-                discarded += h.flags == Flags.VALID or h.gen % 2 == 1
-        return kept, discarded

@@ -11,6 +11,7 @@ from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, DirectoryWriter
 from kvtier.store.redis_blocks import RedisBlocks
+from kvtier.tiers.arena_fill import ArenaFill
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.stats import PoolCounters
 
@@ -26,6 +27,7 @@ class PoolRuntime:
     placement: Placement
     counters: PoolCounters
     gpu_ipc: dict[str, object] | None = None
+    arena: ArenaFill | None = None  # the cpu arena's population (kvtier/daemon/population.py)
 
     @property
     def local_blocks(self) -> int:
@@ -71,7 +73,7 @@ class PoolRuntime:
         def part(t: LocalTier | None) -> dict[str, object] | None:
             if t is None:
                 return None
-            return {"segment": t.table.seg.name, "capacity": t.capacity}
+            return {"segment": t.table.seg.name, "capacity": t.capacity, "dir": str(t.table.seg.directory)}
 
         gpu = part(self.gpu)
         if gpu is not None:
