@@ -112,6 +112,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.tools.bench_cluster import run_cluster_bench
 
         return run_cluster_bench(args)
+    if args.arena:
+        from kvtier.tools.bench import run_arena_bench
+
+        return run_arena_bench(args)
     from kvtier.tools.bench import run_bench
 
     return run_bench(args)
@@ -196,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster", action="store_true",
                    help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
                         "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")
+    ar = b.add_argument_group("cpu arena (also part of the default run)")
+    ar.add_argument("--arena", action="store_true",
+                    help="only the arena rows: start-to-READY and time-to-populated per GiB, cold and warm, the "
+                         "header scan at 1M slots, and get/put on each backing")
+    ar.add_argument("--arena-gib", type=float, default=2.0, help="arena size for the start rows (default 2)")
+    ar.add_argument("--arena-huge-dir", default="",
+                    help="also measure on this huge-page mount (hugetlbfs, or tmpfs mounted huge=within_size)")
     pf = b.add_argument_group("prefill scenario")
     pf.add_argument("--clients", type=int, default=3, help="client processes (default 3)")
     pf.add_argument("--requests", type=int, default=240, help="requests in the trace (default 240)")

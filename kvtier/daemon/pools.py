@@ -114,7 +114,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
                      plan_chunks(table.n, table.stride, table.payload_off, arena_cfg.populate_chunk, arena.allocated),
                      numa_node=arena.binder.node if arena.binder else None, huge_fallback=arena.huge_fallback)
     # The first chunk before READY, so the pool has room from the start.
-    fill.apply(fill.prepare(fill.chunks.pop(0)), placement)
+    fill.apply_all(fill.prepare(fill.chunks.pop(0)), placement)
     if not fill.chunks:
         fill.done()
     what = "arena.reattached" if arena.warm else "arena.created"

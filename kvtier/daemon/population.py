@@ -69,9 +69,10 @@ class ArenaPopulation:
                 while fill.chunks and len(inflight) < self.threads:
                     inflight.append(loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0)))
                 prepared = await inflight.pop(0)  # in slot order: the lowest slots come first
-                restored = fill.apply(prepared, self.rt.placement)
-                if restored and self.on_restored is not None:
-                    self.on_restored(self.rt.name, restored)
+                for restored in fill.apply(prepared, self.rt.placement):
+                    if restored and self.on_restored is not None:
+                        self.on_restored(self.rt.name, restored)
+                    await asyncio.sleep(0)  # a warm chunk of small blocks restores thousands
                 if fill.populated_bytes >= next_report and fill.chunks:
                     next_report += step
                     self.log.info("arena.progress", populated_bytes=fill.populated_bytes, bytes=total,

@@ -14,6 +14,7 @@ No slot is handed out before its chunk is applied, so a write never lands on an 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,25 +122,32 @@ class ArenaFill:
             kept.append((slot, keys[32 * i : 32 * i + 32], None if parent == EMPTY_KEY else parent))
         return Prepared(chunk, kept, wipe)
 
-    def apply(self, p: Prepared, residency: Residency) -> list[Entry]:
-        """On the event loop: restore what `prepare` verified, then bring the chunk into service.
-        Returns the restored entries (the daemon announces them)."""
-        table, restored = self.tier.table, []
+    def apply(self, p: Prepared, residency: Residency, batch: int = 1024) -> Iterator[list[Entry]]:
+        """On the event loop: restore what `prepare` verified, `batch` blocks at a time (each
+        batch yielded, so the caller can let the loop run between them: restoring costs some
+        microseconds a block), then bring the chunk into service once the generator is done."""
+        table = self.tier.table
         for slot in p.wipe:
             table.invalidate(slot)
-        for slot, key, parent in p.kept:
-            e = residency.restore(Tier.CPU, BlockKey(key), None if parent is None else BlockKey(parent), slot)
-            if e is None:  # the same block in two slots: keep the first
-                table.invalidate(slot)
-                self.discarded += 1
-                continue
-            self.tier.publish(e)
-            restored.append(e)
-        self.kept += len(restored)
         self.discarded += len(p.wipe)
+        for i in range(0, len(p.kept), batch):
+            restored = []
+            for slot, key, parent in p.kept[i : i + batch]:
+                e = residency.restore(Tier.CPU, BlockKey(key), None if parent is None else BlockKey(parent), slot)
+                if e is None:  # the same block in two slots: keep the first
+                    table.invalidate(slot)
+                    self.discarded += 1
+                    continue
+                self.tier.publish(e)
+                restored.append(e)
+            self.kept += len(restored)
+            yield restored
         residency.bring_into_service(Tier.CPU, p.chunk.slots)
         self.populated_bytes += p.chunk.end - p.chunk.start
-        return restored
+
+    def apply_all(self, p: Prepared, residency: Residency) -> list[Entry]:
+        """`apply` in one go (the first chunk, before READY; tools)."""
+        return [e for batch in self.apply(p, residency) for e in batch]
 
     def done(self, error: str = "") -> None:
         self.finished = time.monotonic()

@@ -244,6 +244,10 @@ def table(out: dict) -> list[dict]:
         x = out["where"]
         row(f"where: {x['blocks'] * 16:,} tokens, {x['nodes']:,} nodes in the prefix index", f"{x['where_ms']:.2f} ms",
             f"bare lookup (EXISTS) {x['bare_lookup_ms']:.2f} ms", x["ratio"], "(measured)", None)
+    from kvtier.tools.bench_arena import rows as arena_table
+
+    for r in arena_table(out):
+        row(*r)
     if "idle" in out:
         c, r = out["idle"]["cpu_pct"], out["idle"]["rss_beyond_arenas_mb"]
         row("daemon at idle", f"{c:.2f} % CPU, {r:.0f} MB", "", None, "< 2 %, < 200 MB", c < 2 and r < 200)
@@ -279,6 +283,61 @@ def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
     return 0 if correct else 1
 
 
+def run_arena(args, url: str, workdir: Path, out: dict) -> None:
+    """The arena rows (kvtier/tools/bench_arena.py): cold and warm start, per GiB; huge pages when
+    a mount is named; the header scan at a million slots (64k with --quick)."""
+    from kvtier.tools.bench_arena import arena_rows, header_scan_row
+
+    gib = 0.25 if args.quick else args.arena_gib
+    arena_rows(url, workdir, gib, None, out)
+    if args.arena_huge_dir:
+        arena_rows(url, workdir, gib, args.arena_huge_dir, out)
+    slots = 1 << 16 if args.quick else 1 << 20
+    _say(f"warm restart: scanning {slots:,} slot headers")
+    header_scan_row(slots, out)
+
+
+def run_arena_bench(args) -> int:
+    """`kvtier bench --arena`: the arena rows alone (with get/put on each backing when not --quick)."""
+    if shutil.which("redis-server") is None:
+        print("kvtier bench: redis-server is not on PATH", file=sys.stderr)
+        return 1
+    layout, bb, n, repeat = sizes(args, 64)
+    out: dict = {"quick": args.quick, "blocks": n, "block_bytes": bb}
+    out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        env = Env(layout, int(n / 0.85) + 16, Path(tmp))
+        try:
+            _say(f"get and put over {n} blocks, arena on /dev/shm's pages")
+            asyncio.run(daemon_rows(env, n, repeat, out))
+            run_arena(args, env.url, Path(tmp), out)
+        finally:
+            env.close()
+        if args.arena_huge_dir:
+            from kvtier.tools.bench_arena import arena_toml
+
+            (Path(tmp) / "huge").mkdir()
+            env = Env(layout, int(n / 0.85) + 16, Path(tmp) / "huge", policy_toml=arena_toml(args.arena_huge_dir))
+            try:
+                _say(f"get and put over {n} blocks, arena on 2 MiB pages ({args.arena_huge_dir})")
+                huge: dict = {}
+                asyncio.run(daemon_rows(env, n, repeat, huge))
+                out["get_huge"], out["put_huge"] = huge["get"], huge["put"]
+            finally:
+                env.close()
+    rows = table(out)
+    if "get_huge" in out:
+        m = out["memcpy_gbps"]
+        for op in ("get", "put"):
+            g = out[f"{op}_huge"]["gbps"]
+            rows.append({"path": f"{op} with the arena on 2 MiB pages", "figure": f"{g:.2f} GB/s",
+                         "bound": f"memcpy {m:.2f} GB/s; 4 KiB pages {out[op]['gbps']:.2f} GB/s", "ratio": g / m,
+                         "target": "(measured)", "meets": None})
+    out["rows"] = rows
+    correct = all(out[k].get("correct", True) for k in ("get", "put", "get_huge", "header_scan") if k in out)
+    return finish(out, render(rows), args.json, correct)
+
+
 def run_bench(args) -> int:
     quick = args.quick
     layout, bb, n, repeat = sizes(args, 64)
@@ -305,6 +364,7 @@ def run_bench(args) -> int:
             if not quick:
                 _say("daemon at idle (5 s)")
                 idle_row(env, 5.0, out)
+            run_arena(args, env.url, Path(tmp), out)
         finally:
             env.close()
     _say("directory with 1M blocks vs 1k" if not quick else "directory (1k vs 1M skipped in --quick)")
@@ -315,4 +375,5 @@ def run_bench(args) -> int:
     out["where"] = where_row(quick, repeat)
     out["rows"] = table(out)
     return finish(out, render(out["rows"]), args.json,
-                  all(out[k].get("correct", True) for k in ("get", "put", "redis", "cross_node", "where") if k in out))
+                  all(out[k].get("correct", True)
+                      for k in ("get", "put", "redis", "cross_node", "where", "header_scan") if k in out))

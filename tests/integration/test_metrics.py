@@ -24,6 +24,8 @@ DOCUMENTED = {  # the names docs/operations.md lists and the dashboard uses
     "kvtier_tier_transfer_seconds", "kvtier_pool_hits", "kvtier_pool_misses", "kvtier_pool_puts",
     "kvtier_pool_puts_dropped", "kvtier_redis_errors", "kvtier_redis_corrupt", "kvtier_stream_pending",
     "kvtier_stream_lag", "kvtier_event_loop_lag_seconds", "kvtier_event_loop_lag_max_seconds",
+    "kvtier_arena_bytes", "kvtier_arena_populated_bytes", "kvtier_arena_populate_failed", "kvtier_arena_page_bytes",
+    "kvtier_ready_seconds",
     *(f"kvtier_bus_{c}" for c in BUS_COUNTERS),
 }
 
@@ -55,6 +57,11 @@ async def test_metrics_endpoint_serves_the_documented_names_and_moves_with_the_b
     before = scrape(url)
     gpu = ("pool", "t"), ("tier", "gpu")
     assert before[("kvtier_tier_capacity_blocks", gpu)] == 2 and before[("kvtier_tier_blocks", gpu)] == 0
+    # A 4-slot arena is one chunk: populated before READY.
+    arena = (("pool", "t"),)
+    assert before[("kvtier_arena_populated_bytes", arena)] == before[("kvtier_arena_bytes", arena)] == 4 * 8192
+    assert before[("kvtier_arena_page_bytes", arena)] == 4096 and before[("kvtier_arena_populate_failed", arena)] == 0
+    assert 0 < before[("kvtier_ready_seconds", ())] < 30
     async with await Client.connect(d.runtime_dir) as client:
         for c in range(4):  # 8 blocks into 2 gpu + 4 cpu slots: stores, demotions, evictions
             keys = client.block_keys("t", list(range(c * 1000, c * 1000 + 32)), salt=b"metrics")
@@ -90,6 +97,7 @@ def test_status_watch_refreshes_with_rates(daemon_factory):
     assert out.count(f"node {d.node}") == 3, out
     assert out.count("rates/s (hits/stored/promoted_in/demoted_in/evicted/failed)") == 2, "rates from the 2nd frame on"
     assert "event loop lag" in out and "metrics: http://127.0.0.1:" in out and "streams: client pending" in out
+    assert "arena  populated in" in out and "slots in service 16/16  tmpfs /dev/shm, 4 KiB pages" in out, out
     assert d.stop() == 0
 
 

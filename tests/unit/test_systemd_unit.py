@@ -16,7 +16,8 @@ def test_unit_declares_the_contract() -> None:
     text = UNIT.read_text()
     settings = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=kvtier", "RuntimeDirectory=kvtier",
-                 "RemoveIPC=no", "NoNewPrivileges=yes", "ProtectSystem=strict"):
+                 "RemoveIPC=no", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "TimeoutStartSec="):
         assert any(s.startswith(line) for s in settings), line
     assert "PrivateDevices=yes" not in settings, "it would hide the GPU device nodes"
 
