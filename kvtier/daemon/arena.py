@@ -61,11 +61,21 @@ def resolve_numa_node(setting: str, device: str) -> int | None:
         return None
 
 
-def _backing(cfg: ArenaConfig, size: int, log) -> tuple[Backing, str]:
+def _held(directory: Path, name: str) -> int:
+    """Bytes of pages an arena file left by an earlier run holds already (a warm restart needs
+    only the rest)."""
+    try:
+        return (directory / name).stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _backing(cfg: ArenaConfig, size: int, name: str, log) -> tuple[Backing, str]:
     backing, reason = choose_backing(cfg.huge_pages, cfg.huge_pages_dir, parse_mountinfo(MOUNTINFO.read_text()))
-    if backing.huge == "hugetlbfs" and free_bytes(backing) < size:
+    need = size - _held(backing.directory, name)
+    if backing.huge == "hugetlbfs" and free_bytes(backing) < need:
         reason = (f"{backing.directory} has {_gib(free_bytes(backing))} of free huge pages, the arena needs "
-                  f"{_gib(size)} (raise vm.nr_hugepages)")
+                  f"{_gib(need)} more (raise vm.nr_hugepages)")
         if cfg.huge_pages == "on":
             raise SegmentError(f"[arena] huge_pages = \"on\": {reason}")
         backing = Backing(SHM_DIR, "tmpfs", 4096, "")
@@ -112,7 +122,7 @@ def open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, mode
     Raises SegmentError, with the figures, when the backing has no room for what is missing."""
     bb = layout.block_bytes
     want = segment_bytes(n, bb)
-    backing, fallback = _backing(cfg, want, log)
+    backing, fallback = _backing(cfg, want, name, log)
     size = _round_up(want, backing.page_bytes)  # hugetlbfs takes whole huge pages only
     for other in {SHM_DIR, Path(cfg.huge_pages_dir or "/dev/hugepages")} - {backing.directory}:
         _leftover(name, other)

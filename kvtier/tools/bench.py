@@ -289,9 +289,11 @@ def run_arena(args, url: str, workdir: Path, out: dict) -> None:
     from kvtier.tools.bench_arena import arena_rows, header_scan_row
 
     gib = 0.25 if args.quick else args.arena_gib
-    arena_rows(url, workdir, gib, None, out)
+    settle = 0.0 if args.quick else None  # --quick checks the shape, not the speed
+    kw = {} if settle is None else {"settle_s": settle}
+    arena_rows(url, workdir, gib, None, out, **kw)
     if args.arena_huge_dir:
-        arena_rows(url, workdir, gib, args.arena_huge_dir, out)
+        arena_rows(url, workdir, gib, args.arena_huge_dir, out, **kw)
     slots = 1 << 16 if args.quick else 1 << 20
     _say(f"warm restart: scanning {slots:,} slot headers")
     header_scan_row(slots, out)
