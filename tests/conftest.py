@@ -48,4 +48,4 @@ def daemon_factory(tmp_path, redis_url):
         return d.start() if start else d
 
     yield make
-    stop_all(started)
+    stop_all(started, unlink_segments=True)  # a kept arena, or what a killed daemon left
