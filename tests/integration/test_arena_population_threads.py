@@ -85,6 +85,36 @@ async def test_three_threads_bring_every_chunk_in_and_restore_a_warm_arena():
         ShmSegment.unlink_name(name)
 
 
+async def test_a_population_cut_short_is_finished_by_the_next_start():
+    """What a kill -9 mid-population leaves: a file with holes. The next start allocates only the
+    holes, restores what was written, and ends with every slot in service."""
+    node = f"popholes-{os.getpid()}"
+    arena = ArenaConfig(populate_threads=2, populate_chunk=1 << 20)
+    rt = open_pool(pool(1024), node, PolicyConfig(), None, RedisConfig(), None, LOG, arena)
+    name = rt.cpu.table.seg.name
+    try:
+        chunks = rt.arena.chunks
+        for c in chunks[:5]:  # some of the population ran, then the daemon died
+            rt.arena.apply_all(rt.arena.prepare(c), rt.placement)
+        blocks = write_blocks(rt, 150, seed=3)
+        close_pool(rt, persist_arena=True)  # nothing stops here that a kill would have run
+        seg = ShmSegment.attach(name)
+        held = (seg.size, os.stat(f"/dev/shm/{name}").st_blocks * 512)
+        seg.close()
+        assert held[1] < held[0] // 2, "the file has holes, as after a kill mid-population"
+
+        rt = open_pool(pool(1024), node, PolicyConfig(), None, RedisConfig(), None, LOG, arena)
+        assert rt.arena.warm and any(c.holes for c in rt.arena.chunks)
+        assert not any(c.holes for c in rt.arena.chunks[:5]), "what was populated is not allocated again"
+        await ArenaPopulation(rt, 2, LOG).run()
+        assert rt.arena.state == "populated" and rt.arena.kept == 150
+        assert rt.cpu.index.capacity == 1024 and os.stat(f"/dev/shm/{name}").st_blocks * 512 >= held[0] - 4096
+        assert all(read(rt, k) == v for k, v in blocks.items())
+    finally:
+        close_pool(rt, persist_arena=False)
+        ShmSegment.unlink_name(name)
+
+
 async def test_a_mount_that_fills_up_mid_population_stops_it_cleanly(tmp_path: Path):
     need_root()
     with mounted("tmpfs", tmp_path / "small", "huge=within_size,size=64m") as small:
