@@ -103,11 +103,17 @@ def _check_room(name: str, need: int, backing: Backing) -> None:
                            f"available (MemAvailable); lower cpu_bytes")
 
 
-def _leftover(name: str, directory: Path) -> None:
-    """Unlink an arena of ours left in a backing we no longer use (its pages stay taken otherwise)."""
+def _leftover(name: str, directory: Path, log) -> None:
+    """Unlink an arena of ours left in a backing we no longer use (its pages stay taken otherwise).
+    Someone else's file of that name there is left alone: it is not in our way."""
     if directory.is_dir() and ShmSegment.exists(name, directory):
-        ShmSegment.attach(name, trusted_uid=os.geteuid(), directory=directory).close()  # raises for a squatter
+        try:
+            ShmSegment.attach(name, trusted_uid=os.geteuid(), directory=directory).close()
+        except SegmentError as e:
+            log.warning("arena.leftover_not_ours", path=str(directory / name), reason=str(e))
+            return
         ShmSegment.unlink_name(name, directory)
+        log.info("arena.leftover_removed", path=str(directory / name))
 
 
 def _base(seg: ShmSegment) -> int:
@@ -125,7 +131,7 @@ def open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, mode
     backing, fallback = _backing(cfg, want, name, log)
     size = _round_up(want, backing.page_bytes)  # hugetlbfs takes whole huge pages only
     for other in {SHM_DIR, Path(cfg.huge_pages_dir or "/dev/hugepages")} - {backing.directory}:
-        _leftover(name, other)
+        _leftover(name, other, log)
     node = resolve_numa_node(cfg.numa_node, device)
     binder = NumaBinder(node) if node is not None else None
     seg, table = _reattach(name, n, layout, backing.directory, log)
