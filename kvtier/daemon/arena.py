@@ -73,9 +73,10 @@ def _held(directory: Path, name: str) -> int:
 def _backing(cfg: ArenaConfig, size: int, name: str, log) -> tuple[Backing, str]:
     backing, reason = choose_backing(cfg.huge_pages, cfg.huge_pages_dir, parse_mountinfo(MOUNTINFO.read_text()))
     need = size - _held(backing.directory, name)
-    if backing.huge == "hugetlbfs" and free_bytes(backing) < need:
-        reason = (f"{backing.directory} has {_gib(free_bytes(backing))} of free huge pages, the arena needs "
-                  f"{_gib(need)} more (raise vm.nr_hugepages)")
+    free = free_bytes(backing) if backing.huge == "hugetlbfs" else need
+    if free < need:
+        reason = (f"{backing.directory} has {_gib(free)} of free huge pages, the arena needs {_gib(need)} more "
+                  f"(raise vm.nr_hugepages)")
         if cfg.huge_pages == "on":
             raise SegmentError(f"[arena] huge_pages = \"on\": {reason}")
         backing = Backing(SHM_DIR, "tmpfs", 4096, "")

@@ -44,7 +44,6 @@ class ArenaPopulation:
         self.threads = threads
         self.log = log.bind(pool=rt.name)
         self.on_restored = on_restored
-        self.done = asyncio.Event()
 
     def _bind_thread(self) -> None:
         if self.fill.numa_node is not None:  # hugetlbfs allocates by the thread's own policy
@@ -53,7 +52,6 @@ class ArenaPopulation:
     async def run(self) -> None:
         fill = self.fill
         if not fill.chunks:
-            self.done.set()
             return
         loop = asyncio.get_running_loop()
         total = fill.total_bytes
@@ -93,4 +91,3 @@ class ArenaPopulation:
             # A stop mid-population: the chunks running now finish first (a blocking wait of at
             # most one chunk's time), as the pool's mapping is closed after this.
             pool.shutdown(wait=True, cancel_futures=True)
-            self.done.set()

@@ -62,21 +62,31 @@ class PageFiller:
     def __post_init__(self) -> None:
         self._libc = _libc()
 
-    def fill(self, start: int, end: int, allocate: bool = True) -> None:
-        """Allocate and fault in [start, end). Raises SegmentError (with the errno's words)."""
-        lo = start // self.page * self.page
-        hi = min(self.size, -(-end // self.page) * self.page)
-        if allocate:
-            try:
-                os.posix_fallocate(self.fd, lo, hi - lo)
-            except OSError as e:
-                raise SegmentError(f"cannot allocate bytes {lo}..{hi} of the arena: {e}") from e
+    def _pages(self, start: int, end: int) -> tuple[int, int]:
+        return start // self.page * self.page, min(self.size, -(-end // self.page) * self.page)
+
+    def allocate(self, start: int, end: int) -> None:
+        """Give [start, end) its pages in the file. Raises SegmentError (with the errno's words)."""
+        lo, hi = self._pages(start, end)
+        try:
+            os.posix_fallocate(self.fd, lo, hi - lo)
+        except OSError as e:
+            raise SegmentError(f"cannot allocate bytes {lo}..{hi} of the arena: {e}") from e
+
+    def fault_in(self, start: int, end: int) -> None:
+        """Map [start, end)'s pages into this process's page tables (a no-op on old kernels)."""
+        lo, hi = self._pages(start, end)
         if self.prefault and self._libc.madvise(self.base + lo, hi - lo, MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             if err == errno.EINVAL:  # a kernel before 5.14: pages fault in on first write instead
                 self.prefault = False
             else:
                 raise SegmentError(f"cannot fault in bytes {lo}..{hi} of the arena: {os.strerror(err)}")
+
+    def fill(self, start: int, end: int) -> None:
+        """allocate, then fault_in."""
+        self.allocate(start, end)
+        self.fault_in(start, end)
 
     def advise_huge(self) -> bool:
         """tmpfs mounted huge=advise: ask for huge pages on this mapping."""

@@ -97,8 +97,8 @@ class ArenaFill:
     def prepare(self, chunk: Chunk) -> Prepared:
         """The slow part of one chunk: runs in a population thread, touching only its slots."""
         for lo, hi in chunk.holes:
-            self.filler.fill(lo, hi)
-        self.filler.fill(chunk.start, chunk.end, allocate=False)  # fault in (a no-op on old kernels)
+            self.filler.allocate(lo, hi)
+        self.filler.fault_in(chunk.start, chunk.end)  # once for the whole chunk, holes or not
         if not self.warm:
             return Prepared(chunk, [], [])
         return self._scan(chunk)

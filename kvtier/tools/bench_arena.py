@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.tools.bench_env import daemon_toml
 from kvtier.tools.daemon_process import DaemonProcess
 
 GIB = 1 << 30
@@ -130,21 +131,9 @@ def arena_rows(url: str, workdir: Path, gib: float, huge_dir: str | None, out: d
     node = f"bench-arena-{uuid.uuid4().hex[:6]}"
     rdir = workdir / f"rt-{node}"
     cfg = workdir / f"{node}.toml"
-    cfg.write_text(f"""
-[node]
-id = "{node}"
-runtime_dir = "{rdir}"
-[log]
-format = "json"
-[redis]
-url = "{url}"
-[daemon]
-persist_arena = true
-stats_interval_s = 0.05
-[metrics]
-listen = ""
-{arena_toml(huge_dir)}
-""" + LLAMA_POOL.format(cpu_bytes=int(gib * GIB)))
+    cfg.write_text(daemon_toml(node, rdir, url, persist_arena=True, level="info", stats_interval_s=0.05,
+                               extra=arena_toml(huge_dir))
+                   + LLAMA_POOL.format(cpu_bytes=int(gib * GIB)))
     d = DaemonProcess(cfg, rdir, log_path=workdir / f"{node}.log", tied=True)
     directory = Path(huge_dir) if huge_dir else Path("/dev/shm")
     page = 2 << 20 if huge_dir else 4096

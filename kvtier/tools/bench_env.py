@@ -30,6 +30,45 @@ cpu_blocks = {cpu_blocks}
 """
 
 
+def daemon_toml(node: str, runtime_dir: Path, url: str, *, persist_arena: bool = False, level: str = "warning",
+                stats_interval_s: float = 1.0, extra: str = "") -> str:
+    """A benchmark daemon's config, without its pools: JSON logs, no metrics endpoint. `extra`:
+    more tables (policy, arena)."""
+    return f"""
+[node]
+id = "{node}"
+runtime_dir = "{runtime_dir}"
+[log]
+format = "json"
+level = "{level}"
+[redis]
+url = "{url}"
+[daemon]
+persist_arena = {str(persist_arena).lower()}
+stats_interval_s = {stats_interval_s}
+[metrics]
+listen = ""
+{extra}
+"""
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A private redis-server on a free loopback port, no persistence; (process, URL) once it
+    answers. TCP rather than a unix socket, as Redis is reached across nodes (a unix socket moved
+    2 MiB SETs at well under half the speed here: docs/performance.md)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--maxmemory", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    try:
+        Env.wait_for(lambda: _answers(port), "redis-server")
+    except BaseException:
+        stop_processes([proc], 10)
+        raise
+    return proc, f"redis://127.0.0.1:{port}"
+
+
 def _answers(port: int) -> bool:
     try:
         with redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5) as r:
@@ -47,34 +86,14 @@ class Env:
         self.dir = workdir
         self.redis = None
         if redis_url is None:
-            # TCP on loopback, as Redis is reached across nodes. (A unix socket moved 2 MiB SETs at
-            # well under half the speed here: docs/performance.md.)
-            port = free_port()
-            self.redis = subprocess.Popen(
-                ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                 "--dir", str(workdir), "--maxmemory", "0"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            self.wait_for(lambda: _answers(port), "redis-server")
-            redis_url = f"redis://127.0.0.1:{port}"
+            self.redis, redis_url = start_redis(workdir)
         self.url = redis_url
         self.node = f"bench-{uuid.uuid4().hex[:8]}"
         self.rdir = workdir / "rt"
         cfg = workdir / "bench.toml"
-        cfg.write_text(f"""
-[node]
-id = "{self.node}"
-runtime_dir = "{self.rdir}"
-[log]
-format = "json"
-level = "warning"
-[redis]
-url = "{self.url}"
-[daemon]
-persist_arena = false
-[metrics]
-listen = ""
-{policy_toml}
-""" + (pools_toml if pools_toml is not None else pool_toml("b", layout or {}, device, gpu_blocks, cpu_blocks)))
+        cfg.write_text(daemon_toml(self.node, self.rdir, self.url, extra=policy_toml)
+                       + (pools_toml if pools_toml is not None
+                          else pool_toml("b", layout or {}, device, gpu_blocks, cpu_blocks)))
         self.daemon = DaemonProcess(cfg, self.rdir, log_path=workdir / "daemon.log", tied=True)
         try:
             self.daemon.start(timeout=60)

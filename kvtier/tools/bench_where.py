@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from kvtier.core.where import field, where_key
@@ -87,27 +87,14 @@ async def _measure(url: str, nodes: int, blocks: int, repeat: int) -> dict[str, 
 
 
 def where_row(quick: bool, repeat: int) -> dict[str, Any]:
-    from kvtier.tools.redis_cluster import free_port
+    from kvtier.processes import stop_processes
+    from kvtier.tools.bench_env import start_redis
 
     nodes, blocks = (50, 256) if quick else (1000, 2048)
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvtier-where-") as work:
-        server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                                   "--appendonly", "no", "--dir", work], stdout=subprocess.DEVNULL)
+        server, url = start_redis(Path(work))
         try:
-            deadline = time.monotonic() + 10
-            import redis
-
-            while True:
-                try:
-                    if redis.Redis(port=port, socket_timeout=0.5).ping():
-                        break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
             _say(f"where: {nodes} nodes' index entries for a {blocks}-block chain, against a bare lookup")
-            return asyncio.run(_measure(f"redis://127.0.0.1:{port}", nodes, blocks, repeat))
+            return asyncio.run(_measure(url, nodes, blocks, repeat))
         finally:
-            server.kill()
-            server.wait(10)
+            stop_processes([server], 10)

@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvtier.client import Client
 from kvtier.shm.segment import ShmSegment
-from tests.support.blocks import SHAPE, make_kv, same_bytes
+from tests.support.blocks import put_and_read_back
 from tests.support.daemon_proc import POOL_TOML
 from tests.support.mounts import huge_pages_set_aside, mounted, need_root
 from tests.support.waiting import wait_until
@@ -49,12 +48,7 @@ def smaps_of(pid: int, path: Path) -> dict[str, int]:
 
 async def put_get(d, salt: bytes, n: int = 8) -> None:
     async with await Client.connect(d.runtime_dir) as client:
-        keys = client.block_keys("t", list(range(16 * n)), salt=salt)
-        kv = make_kv(n, seed=len(salt))
-        assert (await client.put("t", keys, kv)).staged == n
-        assert await client.wait_resident("t", keys, timeout=20)
-        out = torch.empty((n, *SHAPE), dtype=torch.float16)
-        assert await client.get("t", keys, out) == n and same_bytes(out, kv)
+        await put_and_read_back(client, salt, n, seed=len(salt))
 
 
 def populated(d) -> dict:

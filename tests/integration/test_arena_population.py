@@ -20,7 +20,7 @@ from kvtier.client import Client
 from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import SLOT_MAGIC, Flags, Kind, SlotTable, checksum
-from tests.support.blocks import SHAPE, make_kv, same_bytes
+from tests.support.blocks import SHAPE, make_kv, put_and_read_back, same_bytes
 from tests.support.daemon_proc import POOL_TOML
 from tests.support.waiting import async_wait_until, wait_until
 
@@ -78,12 +78,8 @@ async def test_an_8gib_arena_serves_while_it_populates_and_a_kill_9_mid_populati
         assert a["state"] == "populating" and a["populated_bytes"] < a["bytes"], a
 
         async with await Client.connect(d.runtime_dir) as client:
-            keys = client.block_keys("t", list(range(16 * 8)), salt=b"first")
-            kv = make_kv(8, seed=1)
-            assert (await client.put("t", keys, kv)).staged == 8
-            assert await client.wait_resident("t", keys, timeout=20)
+            keys, kv = await put_and_read_back(client, b"first", 8, seed=1)
             out = torch.empty((8, *SHAPE), dtype=torch.float16)
-            assert await client.get("t", keys, out) == 8 and same_bytes(out, kv)
             # A put and a get served, and only now: is the population still under way? The
             # daemon's own report says so (a stats snapshot written after the get).
             wait_until(lambda: arena(d).get("in_service", 0) >= 1, message="a fresh stats snapshot")
@@ -139,12 +135,7 @@ async def test_an_8gib_arena_serves_while_it_populates_and_a_kill_9_mid_populati
             # populated before READY; a valid slot's pages exist, as it was written).
             assert check_arena(d.node, d.runtime_dir) >= 8
             # And the arena takes new blocks in the slots the restart populated.
-            more = client.block_keys("t", list(range(16 * 4)), salt=b"after")
-            more_kv = make_kv(4, seed=9)
-            assert (await client.put("t", more, more_kv)).staged == 4
-            assert await client.wait_resident("t", more, timeout=20)
-            got = torch.empty((4, *SHAPE), dtype=torch.float16)
-            assert await client.get("t", more, got) == 4 and same_bytes(got, more_kv)
+            await put_and_read_back(client, b"after", 4, seed=9)
         print(f"\n8 GiB arena: {rounds} racing rounds, {hits} blocks got during population, "
               f"{populated_before >> 20} MiB populated at the kill, {a['kept']} blocks restored so far")
     finally:

@@ -34,3 +34,15 @@ async def put_chain(client: Client, keys, kv) -> None:
     res = await client.put("t", keys, kv)
     assert res.dropped == 0
     await async_wait_until(lambda: stored_somewhere(client, keys), timeout=10, message="put stored")
+
+
+async def put_and_read_back(client: Client, salt: bytes, n: int, seed: int, timeout: float = 20.0):
+    """Put an n-block chain, wait until it is resident locally, and get it back byte-exact.
+    Returns (keys, kv)."""
+    keys = client.block_keys("t", list(range(16 * n)), salt=salt)
+    kv = make_kv(n, seed=seed)
+    assert (await client.put("t", keys, kv)).staged == n
+    assert await client.wait_resident("t", keys, timeout=timeout)
+    out = torch.empty((n, *SHAPE), dtype=torch.float16)
+    assert await client.get("t", keys, out) == n and same_bytes(out, kv)
+    return keys, kv
