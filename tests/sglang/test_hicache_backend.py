@@ -8,6 +8,7 @@ them out (host_pool.py says why that pool is a copy of SGLang's addressing).
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -334,12 +335,22 @@ def test_prefetch_and_backup_threads_at_once(node_factory, backend_factory) -> N
     expected = {k: vals[w * 8 + i] for w, ks in enumerate(chains) for i, k in enumerate(ks)}
     problems: list[str] = []
 
+    readers_done = threading.Event()
+
     def writer(w: int) -> None:
-        for _ in range(5):
+        # At least 5 rounds, and on until the readers are done: a clear() that lands after the
+        # last write would otherwise leave them nothing under the current epoch to read.
+        rounds = 0
+        while rounds < 5 or not readers_done.is_set():
             be.batch_set(chains[w], [expected[k] for k in chains[w]])
+            rounds += 1
 
     def reader(w: int) -> None:
-        for _ in range(20):
+        # 20 rounds, and on until this reader got a page (or a deadline): a condition, not a count
+        # that a scheduler can starve.
+        deadline = time.monotonic() + 30
+        rounds = read = 0
+        while rounds < 20 or (read == 0 and time.monotonic() < deadline):
             ks = chains[w % 4]
             n = be.batch_exists(ks)
             out = [host.get_dummy_flat_data_page() for _ in ks]
@@ -349,10 +360,20 @@ def test_prefetch_and_backup_threads_at_once(node_factory, backend_factory) -> N
                     problems.append(f"wrong bytes for {k[:8]}")
             if n < 0 or n > len(ks):
                 problems.append(f"batch_exists {n}")
+            read += sum(g is not None for g in got)
+            rounds += 1
+
+    readers = [threading.Thread(target=reader, args=(w,)) for w in range(4)]
+
+    def watch() -> None:
+        for t in readers:
+            t.join(60)
+        readers_done.set()
 
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
-    threads += [threading.Thread(target=reader, args=(w,)) for w in range(4)]
+    threads += readers
     threads.append(threading.Thread(target=lambda: [be.clear() for _ in range(3)]))
+    threads.append(threading.Thread(target=watch))
     for t in threads:
         t.start()
     for t in threads:
