@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from typing import Any, Protocol, TextIO
 
 import structlog
@@ -86,3 +88,42 @@ def _exceptions_as_dicts() -> Any:
 def _isatty(stream: Any) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+class LogThrottle:
+    """At most one line per event name per `every_s`: the first at once, then the lines skipped
+    meanwhile are counted (`suppressed`) in the next one. For what a library logs on every call
+    while something it needs is down (a client in an engine during a Redis outage): the engine's
+    stderr gets a line and a count, not a line per request. Thread-safe."""
+
+    def __init__(self, log: Any, every_s: float = 5.0) -> None:
+        self._log, self._every = log, every_s
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _emit(self, level: str, event: str, **kw: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(event, -1e9) < self._every:
+                self._skipped[event] = self._skipped.get(event, 0) + 1
+                return
+            self._last[event] = now
+            skipped = self._skipped.pop(event, 0)
+        getattr(self._log, level)(event, suppressed=skipped, **kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._emit("info", event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._emit("warning", event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._emit("error", event, **kw)
+
+    def flush(self) -> None:
+        """Log the counts still held back (at close), one line per event."""
+        with self._lock:
+            skipped, self._skipped = self._skipped, {}
+        for event, n in skipped.items():
+            self._log.warning(event, suppressed=n, note="lines held back since the last one")

@@ -12,7 +12,7 @@ from kvtier.bus.publisher import Publisher
 from kvtier.client.results import ClientStats
 from kvtier.core.events import Access, RemoteRead
 from kvtier.keys import BlockKey
-from kvtier.logs import Log
+from kvtier.logs import LogThrottle
 
 ACCESS_FLUSH_S = 0.02
 
@@ -20,11 +20,11 @@ ACCESS_FLUSH_S = 0.02
 class AccessReports:
     """The client's pending read reports, per pool, and the task that sends them."""
 
-    def __init__(self, publisher: Publisher, stream: str, stats: ClientStats, log: Log) -> None:
+    def __init__(self, publisher: Publisher, stream: str, stats: ClientStats, quiet: LogThrottle) -> None:
         self._publisher = publisher
         self._stream = stream
         self._stats = stats
-        self._log = log
+        self._quiet = quiet
         self._access: dict[str, tuple[list[BlockKey], list[int]]] = {}
         self._remote: list[RemoteRead] = []  # chains read straight from Redis
         self._flusher: asyncio.Task[None] | None = None
@@ -70,7 +70,7 @@ class AccessReports:
     def lost(self, error: Exception) -> None:
         # Access reports only steer the LRU: losing one costs accuracy, not data. Counted.
         self._stats.event_errors += 1
-        self._log.warning("client.access_report_failed", error=str(error))
+        self._quiet.warning("client.access_report_failed", error=str(error))
 
     async def flush(self) -> None:
         items = self.take()

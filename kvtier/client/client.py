@@ -26,12 +26,12 @@ from kvtier.client.access import AccessReports
 from kvtier.client.discovery import library_logger, read_descriptor
 from kvtier.client.pools import ClientPool, host_rows, map_pools
 from kvtier.client.redis_queries import RedisQueries
-from kvtier.client.remote import RemoteReads
+from kvtier.client.remote import RemoteReads, Through
 from kvtier.client.results import ClientStats, Lookup, PutResult
 from kvtier.core.events import Prefetch, Put, StagedBlock, Tier, TokenIds
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, encode_tokens, root_key
-from kvtier.logs import Log
+from kvtier.logs import Log, LogThrottle
 from kvtier.offload import default_copy_threads, map_shares
 from kvtier.processes import pid_alive
 from kvtier.runtime import DESCRIPTOR, runtime_dir_for
@@ -72,8 +72,11 @@ class Client(RedisQueries):
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
         self.pools = map_pools(desc, self.node, daemon_uid, staging_blocks)
         self.stats = ClientStats()
-        self._access = AccessReports(self._publisher, self._client_stream, self.stats, self.log)
-        self._remote = RemoteReads(self._blocks, desc["redis"], remote_timeout, self.stats, self.log)
+        # What fails on every call while Redis is down is logged once, then counted every few
+        # seconds: an engine's stderr must not get a line per request.
+        self.quiet = LogThrottle(self.log)
+        self._access = AccessReports(self._publisher, self._client_stream, self.stats, self.quiet)
+        self._remote = RemoteReads(self._blocks, desc["redis"], remote_timeout, self.stats, self.log, self.quiet)
         self._next_check = time.monotonic() + DESCRIPTOR_CHECK_S
 
     def _follow_restarts(self) -> None:
@@ -132,6 +135,7 @@ class Client(RedisQueries):
 
     async def close(self) -> None:
         await self._access.close()
+        self.quiet.flush()
         await self._remote.aclose()
         for p in self.pools.values():
             p.close()
@@ -179,10 +183,11 @@ class Client(RedisQueries):
         Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
         rows from n on may hold bytes of copies that failed verification or came after a miss.
 
-        `remote=True` (read-through, client/remote.py): the leading blocks this node holds come
-        from shared memory, and the rest of the leading run straight from Redis into `out`,
-        verified; the daemon hears of those reads and may bring the blocks up. It never waits for
-        room in a local tier, and a Redis outage costs at most `remote_timeout` seconds."""
+        `remote=True` (read-through, client/remote.py): each block of the leading run comes from
+        wherever it is, this node's shared memory or Redis (straight into `out`), verified; a
+        block found in neither ends the run. The daemon hears of the Redis reads and may bring
+        those blocks up. It never waits for room in a local tier, and a Redis outage costs at
+        most `remote_timeout` seconds."""
         p = self.pool(pool)
         bkeys = [check_key(k) for k in keys]
         p.check_tensor(out, len(bkeys), "out")
@@ -191,12 +196,13 @@ class Client(RedisQueries):
             if self._remote.denied:
                 n += await self._pull(p, bkeys, out, n)
             else:
-                m = await self._remote.read(p, bkeys, out, n, self._copier_for(len(bkeys) - n, p))
-                if m:
-                    self._access.note_remote(pool, bkeys[n:n + m], bkeys[n - 1] if n else None)
-                elif self._remote.denied:
-                    m = await self._pull(p, bkeys, out, n)
-                n += m
+                got = await self._remote.read(p, bkeys, out, n, self._copier_for(len(bkeys) - n, p),
+                                              _PoolReads(self, p, bkeys, out))
+                for first, last in _runs(got.remote):  # each run read from Redis, with its parent
+                    self._access.note_remote(pool, bkeys[first:last + 1], bkeys[first - 1] if first else None)
+                if not got.n and self._remote.denied:
+                    got = Through(await self._pull(p, bkeys, out, n), [])
+                n += got.n
         self.stats.reads += n
         self.stats.read_misses += len(bkeys) - n
         self._access.note(pool, bkeys[:n], len(bkeys) - n)
@@ -204,12 +210,7 @@ class Client(RedisQueries):
 
     async def _get_local(self, p: ClientPool, bkeys: list[BlockKey], out: torch.Tensor, start: int) -> int:
         """The leading run of bkeys[start:] this node holds, copied into out[start:]."""
-        def read(share: Sequence[int]) -> list[bool]:
-            return [p.read(bkeys[i], out[i]) for i in share]
-
-        with p.in_use():
-            ok = await self._copy(read, range(start, len(bkeys)), (len(bkeys) - start) * p.block_bytes,
-                                  threads=1 if out.device.type != "cpu" else None)
+        ok = await _PoolReads(self, p, bkeys, out).read(range(start, len(bkeys)))
         return next((i for i, hit in enumerate(ok) if not hit), len(ok))
 
     async def _pull(self, p: ClientPool, bkeys: list[BlockKey], out: torch.Tensor, start: int) -> int:
@@ -219,7 +220,7 @@ class Client(RedisQueries):
             await self.prefetch(p.name, bkeys[start:], parent=bkeys[start - 1] if start else None)
         except REDIS_ERRORS as e:
             self.stats.event_errors += 1
-            self.log.warning("client.pull_failed", pool=p.name, error=str(e))
+            self.quiet.warning("client.pull_failed", pool=p.name, error=str(e))
             return 0
         await self.wait_resident(p.name, bkeys, timeout=self._remote.timeout)
         return await self._get_local(p, bkeys, out, start)
@@ -334,7 +335,7 @@ class Client(RedisQueries):
                 dropped = len(bkeys)
                 staged = []
                 self.stats.event_errors += 1
-                self.log.warning("client.put_failed", pool=pool, error=str(e))
+                self.quiet.warning("client.put_failed", pool=pool, error=str(e))
             except BaseException:
                 # Cancelled mid-publish: free the slots. Safe even if the event did land, because
                 # the daemon re-checks each slot's generation before trusting it.
@@ -342,7 +343,8 @@ class Client(RedisQueries):
                 raise
         if dropped:
             self.stats.put_dropped += dropped
-            self.log.info("client.put_dropped", pool=pool, dropped=dropped, reason="staging full or daemon unreachable")
+            self.quiet.info("client.put_dropped", pool=pool, dropped=dropped,
+                            reason="staging full or daemon unreachable")
         return PutResult(len(staged), dropped)
 
     async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
@@ -368,3 +370,34 @@ class Client(RedisQueries):
                 return False
             await asyncio.sleep(0.005)
         return True
+
+
+class _PoolReads:
+    """Shared-memory reads for a read-through (client/remote.py LocalReads): rows of `out`."""
+
+    def __init__(self, client: Client, p: ClientPool, keys: list[BlockKey], out: torch.Tensor) -> None:
+        self._client, self._p, self._keys, self._out = client, p, keys, out
+
+    def listed(self, key: BlockKey) -> bool:
+        return self._p.locate(key) is not None
+
+    async def read(self, rows: Sequence[int]) -> list[bool]:
+        p, keys, out = self._p, self._keys, self._out
+
+        def read(share: Sequence[int]) -> list[bool]:
+            return [p.read(keys[i], out[i]) for i in share]
+
+        with p.in_use():
+            return await self._client._copy(read, rows, len(rows) * p.block_bytes,
+                                            threads=1 if out.device.type != "cpu" else None)
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted rows as runs of consecutive ones: [(first, last), ...]."""
+    runs: list[tuple[int, int]] = []
+    for i in rows:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs

@@ -14,7 +14,7 @@ from kvtier.client.results import ClientStats, Lookup
 from kvtier.client.where_query import query_where
 from kvtier.core.where import Where
 from kvtier.keys import check_key
-from kvtier.logs import Log
+from kvtier.logs import Log, LogThrottle
 from kvtier.store.commands import KeyBatches
 from kvtier.store.redis_blocks import redis_block_key
 
@@ -24,6 +24,7 @@ class RedisQueries:
     _redis: AsyncRedis
     stats: ClientStats
     log: Log
+    quiet: LogThrottle
 
     def pool(self, name: str) -> ClientPool:
         raise NotImplementedError  # Client's
@@ -32,15 +33,20 @@ class RedisQueries:
         raise NotImplementedError  # Client's
 
     async def locate(self, pool: str, keys: Sequence[bytes]) -> Lookup:
-        """`lookup`, then how many of the following blocks Redis holds (any node may have put them).
-        Blocks Redis could not be asked about (it, or the cluster master serving them, is
-        unreachable) count as absent, so with Redis down the answer is the local one."""
+        """`lookup`, then how many of the following blocks can be read too, each from wherever it
+        is: this node's shared memory, or Redis (any node may have put them). So `length +
+        redis_length` is the prefix `get(..., remote=True)` reads. Blocks Redis could not be
+        asked about (it, or the cluster master serving them, is unreachable) count as absent, so
+        with Redis down the answer is the local one."""
         local = self.lookup(pool, keys)
         rest = keys[local.length:]
         if not rest:
             return local
-        found = await self._in_redis(pool, rest, "client.locate_redis_failed")
-        n = next((i for i, f in enumerate(found) if not f), len(found))
+        p = self.pool(pool)
+        here = [p.locate(check_key(k)) is not None for k in rest]
+        away = [k for k, h in zip(rest, here) if not h]
+        found = iter(await self._in_redis(pool, away, "client.locate_redis_failed"))
+        n = next((i for i, h in enumerate(here) if not h and not next(found)), len(rest))
         return Lookup(local.length, local.tiers, n)
 
     async def present(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
@@ -62,7 +68,7 @@ class RedisQueries:
         errors = [a for a in answers if isinstance(a, Exception)]
         if errors:
             self.stats.event_errors += 1
-            self.log.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
+            self.quiet.warning(failed, pool=pool, keys=len(errors), error=f"{type(errors[0]).__name__}: {errors[0]}")
         return [not isinstance(a, Exception) and bool(a) for a in answers]
 
     async def where(self, pool: str, keys: Sequence[bytes]) -> Where:

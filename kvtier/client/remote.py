@@ -1,12 +1,16 @@
-"""Read-through: the part of a prefix this node does not hold, read straight from Redis into the
-caller's tensor (`Client.get(..., remote=True)`).
+"""Read-through: a prefix read from wherever each of its blocks is, this node's shared memory or
+Redis, into the caller's tensor (`Client.get(..., remote=True)`).
 
-The values are read in pipelines over a few connections and land in the tensor's rows straight
-from the socket (store/bulk_reads.py, through RedisBlocks.fetch); each is verified where it
-landed (header, key, layout, xxh3) before it counts. The leading run of verified blocks is the
-answer; a block that is absent, corrupt (deleted and counted) or unreadable ends it. Nothing
-waits for room in a local tier: the client has the bytes, and the daemon is told (RemoteRead)
-so that it can bring hot blocks up by its policy.
+Past the leading run this node holds, a chain's blocks may alternate between the two: a put
+under pressure leaves its head here and sends its tail to Redis, the daemon brings blocks read
+from Redis up one by one, another node wrote the rest. So each block is taken from shared memory
+when the directory lists it, else from Redis. The Redis values are read in pipelines over a few
+connections and land in the tensor's rows straight from the socket (store/bulk_reads.py, through
+RedisBlocks.fetch); each is verified where it landed (header, key, layout, xxh3) before it
+counts. The leading run of verified blocks is the answer; a block found in neither place,
+corrupt (deleted and counted) or unreadable ends it. Nothing waits for room in a local tier:
+the client has the bytes, and the daemon is told (RemoteRead) so that it can bring hot blocks up
+by its policy.
 
 A Redis outage costs at most `timeout` seconds and the local answer stands. Credentials that
 may not read block keys (NOPERM) turn read-through into the pull path (a prefetch, a bounded
@@ -19,7 +23,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,19 +35,36 @@ from kvtier.bus.connect import AsyncRedis
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats
 from kvtier.keys import BlockKey
-from kvtier.logs import Log
+from kvtier.logs import Log, LogThrottle
 from kvtier.store.redis_blocks import CONNECTIONS, PIPELINE_BYTES, RedisBlocks, Verified
+
+
+class LocalReads(Protocol):
+    """This node's shared memory, as a read-through sees it (the Client)."""
+
+    def listed(self, key: BlockKey) -> bool: ...  # the directory names a slot for it (a hint)
+    async def read(self, rows: Sequence[int]) -> list[bool]: ...  # verified copies into out[rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Through:
+    """A read-through's answer: `n` leading blocks verified; `remote`, the rows among them that
+    came from Redis (the rest came from shared memory)."""
+
+    n: int
+    remote: list[int]
 
 
 class RemoteReads:
     def __init__(self, blocks_redis: AsyncRedis, desc_redis: dict[str, Any], timeout: float, stats: ClientStats,
-                 log: Log) -> None:
+                 log: Log, quiet: LogThrottle) -> None:
         self._redis = blocks_redis
         self._pipeline_bytes = int(desc_redis.get("pipeline_bytes") or PIPELINE_BYTES)
         self._connections = int(desc_redis.get("connections") or CONNECTIONS)
         self.timeout = timeout
         self.stats = stats
         self.log = log
+        self.warn = quiet.warning  # a Redis outage: one line, then a count every few seconds
         self.denied = False  # the credentials may not read blocks: pull instead
         self._pools: dict[tuple[str, bytes], RedisBlocks] = {}
 
@@ -56,44 +78,61 @@ class RemoteReads:
         return rb
 
     async def read(self, pool: ClientPool, keys: Sequence[BlockKey], out: torch.Tensor, start: int,
-                   executor: Executor | None) -> int:
-        """Read keys[start:] from Redis into out[start:]; how many leading ones were verified.
-        Raises nothing for Redis' sake: an outage or a timeout is 0 (counted and logged)."""
-        rest = keys[start:]
+                   executor: Executor | None, local: LocalReads) -> Through:
+        """Read keys[start:] into out[start:], each block from wherever it is: this node's shared
+        memory when its directory lists it (`local`), else Redis. The answer is the leading run
+        of verified blocks; a block found in neither ends it. Raises nothing for Redis' sake: an
+        outage or a timeout ends the run where Redis was needed (counted, logged once a while)."""
         rb = self._blocks(pool)
-        into, then = _destinations(out, start)
+        rest = range(start, len(keys))
+        # keys[start] is not local, or its read just failed: Redis is its only chance.
+        here = {i for i in rest if i > start and local.listed(keys[i])}
+        away = [i for i in rest if i not in here]
+        ok: dict[int, bool] = {}
+        fetched: list[int] = []
         corrupt = rb.stats.corrupt
         t0 = time.perf_counter()
+        stop: object = None
         try:
             async with asyncio.timeout(self.timeout):
-                # One round trip first to find the leading run Redis holds: the values past it
-                # (after a hole in the chain) are not worth moving, and the common answer for a
-                # prompt's new part, nothing, costs no more.
-                there = await rb.exists(list(rest))
-                run = next((i for i, t in enumerate(there) if t is not True), len(there))
-                got = await rb.fetch(rest[:run], into=into, then=then, executor=executor) if run else []
-                if run < len(there) and isinstance(stopped := there[run], Exception):
-                    got.append(stopped)  # why the run ended: Redis's error, not a miss
+                # One round trip first to find the run Redis and this node hold between them:
+                # values past a hole in the chain are not worth moving, and the common answer for
+                # a prompt's new part, nothing, costs no more.
+                there = dict(zip(away, await rb.exists([keys[i] for i in away]) if away else []))
+                end = next((i for i in away if there[i] is not True), len(keys))
+                if end < len(keys) and isinstance(there[end], Exception):
+                    stop = there[end]  # why the run ended: Redis's error, not a miss
+                mine = sorted(i for i in here if i < end)
+                for i, hit in zip(mine, await local.read(mine)):
+                    ok[i] = hit
+                # A local copy that failed verification (evicted, rewritten) may still be in Redis.
+                fetched = sorted([i for i in away if i < end] + [i for i in mine if not ok[i]])
+                into, then = _destinations(out, fetched)
+                got = await rb.fetch([keys[i] for i in fetched], into=into, then=then, executor=executor)
+                for i, g in zip(fetched, got):
+                    ok[i] = isinstance(g, tuple)
+                    if isinstance(g, Exception) and not isinstance(stop, Exception):
+                        stop = g
         except TimeoutError:
             self.stats.remote_s += time.perf_counter() - t0
             self.stats.remote_failures += 1
-            self.log.warning("client.remote_read_timeout", pool=pool.name, blocks=len(rest), timeout_s=self.timeout)
-            return 0
+            self.warn("client.remote_read_timeout", pool=pool.name, blocks=len(rest), timeout_s=self.timeout)
+            return Through(0, [])
         self.stats.remote_s += time.perf_counter() - t0
         self.stats.remote_corrupt += rb.stats.corrupt - corrupt
-        m = next((i for i, g in enumerate(got) if not isinstance(g, tuple)), len(got))
-        self.stats.remote_reads += m
-        stop = got[m] if m < len(got) else None
+        n = next((j for j, i in enumerate(rest) if not ok.get(i)), len(rest))
+        remote = [i for i in fetched if i < start + n and ok[i]]
+        self.stats.remote_reads += len(remote)
         if isinstance(stop, NoPermissionError):
             self.denied = True
             self.log.warning("client.remote_read_denied", pool=pool.name, error=str(stop),
                              note="these credentials may not read block keys: read-through pulls through the "
                                   "daemon instead (prefetch, then a local read)")
-        elif isinstance(stop, Exception):
+        elif isinstance(stop, Exception) and start + n < len(keys):
             self.stats.remote_failures += 1
-            self.log.warning("client.remote_read_failed", pool=pool.name, at=m, of=len(rest),
-                             error=f"{type(stop).__name__}: {stop}")
-        return m
+            self.warn("client.remote_read_failed", pool=pool.name, at=n, of=len(rest),
+                      error=f"{type(stop).__name__}: {stop}")
+        return Through(n, remote)
 
     async def aclose(self) -> None:
         for rb in self._pools.values():
@@ -105,13 +144,13 @@ def _row(out: torch.Tensor, i: int) -> npt.NDArray[np.uint8]:
     return out[i].view(torch.uint8).reshape(-1).numpy()
 
 
-def _destinations(out: torch.Tensor, start: int) -> tuple[Any, Any]:
-    """Where fetched blocks land: straight in the rows of a host tensor; for a device tensor, in
-    host buffers, then copied over once verified."""
+def _destinations(out: torch.Tensor, rows: Sequence[int]) -> tuple[Any, Any]:
+    """Where the fetched blocks (for `rows` of `out`) land: straight in the rows of a host
+    tensor; for a device tensor, in host buffers, then copied over once verified."""
     if out.device.type == "cpu":
-        return (lambda i: _row(out, start + i)), None
+        return (lambda j: _row(out, rows[j])), None
 
-    def to_device(i: int, got: Verified) -> None:
-        out[start + i].view(torch.uint8).reshape(-1).copy_(torch.from_numpy(got[0]))
+    def to_device(j: int, got: Verified) -> None:
+        out[rows[j]].view(torch.uint8).reshape(-1).copy_(torch.from_numpy(got[0]))
 
     return None, to_device

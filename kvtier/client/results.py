@@ -10,7 +10,8 @@ from kvtier.core.events import Tier
 @dataclass(frozen=True, slots=True)
 class Lookup:
     """`length` leading blocks are resident on this node, `tiers[i]` says where block i is.
-    `redis_length` more blocks after those are in Redis (only `locate` asks Redis)."""
+    `redis_length` more blocks after those can be read, each from Redis or from this node (only
+    `locate` asks Redis): `length + redis_length` is what `get(..., remote=True)` reads."""
 
     length: int
     tiers: tuple[Tier, ...]

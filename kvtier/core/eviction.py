@@ -44,7 +44,7 @@ def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdi
     if not entry.leaving:
         return Verdict.STALE
     # The leaving mark holds one pin; any more is a reader's.
-    if idx.children(key) or entry.pins > 1 or (t == Tier.CPU and p.tiers[Tier.GPU].children(key)):
+    if idx.children(key) or entry.pins > 1 or p.strands_children(t, key):
         return Verdict.BUSY
     if t == Tier.GPU and key in p.tiers[Tier.CPU]:
         return Verdict.DROP

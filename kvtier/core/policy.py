@@ -5,15 +5,20 @@ events and tier facts and publishes what it returns; the tier workers carry the 
 report what they did to the tier indices through it (kvtier/core/residency.py), which owns them.
 
 Rules (config `[policy]`):
-- A put lands in the highest local tier with room (gpu, then cpu); with no local room it is
-  written to Redis, so a burst of puts is not dropped while write-backs catch up.
+- A put lands in the highest local tier with room (gpu, then cpu), head first; when the chain
+  does not fit, room for more of its head is made by dropping colder chains' clean tails (blocks
+  Redis holds), and only the tail goes to Redis, so a burst of puts is not dropped while
+  write-backs catch up. A put that spills to Redis is written there whole: its local head, and
+  the local ancestors Redis lacks, are copied too (unless the frequency filter is on), so that
+  another node can read the chain from its first block (core/spill.py).
 - Above `high_watermark` of its slots, a tier sheds its coldest evictable blocks down to
   `low_watermark`: a block the next tier already holds is evicted at once; any other is demoted
   (write-back) and stays readable, pinned, until the next tier reports it stored. Candidates
-  are the tier's LRU leaves (no resident child in the same tier); a cpu block is also kept
-  while a child of it sits in gpu, so no block leaves the node before its extensions. When cpu
-  has no room, gpu writes its victims straight to Redis: cpu may be full of exactly those
-  protected parents, and waiting for it would freeze both tiers.
+  are the tier's LRU leaves (no resident child in the same tier); a block is also kept while a
+  child of it sits in the other local tier and the move would take it off the node, so no
+  block leaves the node before its extensions. When cpu has no room, gpu writes its victims
+  that have no child in cpu straight to Redis: cpu may be full of exactly those protected
+  parents, and waiting for it would freeze both tiers.
 - A block read `promote_after_hits` times while only in cpu is promoted to gpu if gpu has room.
 - Redis writes are write-back (when cpu sheds a block) or write-through (a `copy` as soon as a
   block is stored locally; core/write_through.py), per `redis_write`. With `redis_admit_after_hits` = N > 0 only blocks
@@ -38,14 +43,15 @@ Time is passed in (`now`), never read here.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.index import State, TierIndex
-from kvtier.core.knobs import PolicyKnobs
-from kvtier.core.residency import LOCAL, Residency
+from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.residency import LOCAL
+from kvtier.core.room import Room
+from kvtier.core.spill import SpillCopies
 from kvtier.core.write_through import copy_for_fact, copy_on_read
 from kvtier.keys import BlockKey
 
@@ -55,19 +61,15 @@ DROP_REASONS = frozenset({Reason.UNREUSED})
 Command = Store | Promote | Demote | Copy | Evict
 
 
-class Placement(Residency):
-    """Decisions for one pool, over the tier indices it owns (`Residency`)."""
+class Placement(Room):
+    """Decisions for one pool, over the tier indices it owns (`Residency`) and what it has in
+    flight (`Room`)."""
 
     def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
         super().__init__(tiers)
         self.pool = pool
         self.knobs = knobs
-        # Blocks commanded into a local tier whose outcome fact has not come back: key -> give-up
-        # time. Counting them keeps a burst of puts from over-filling a tier before its worker
-        # catches up.
-        self._incoming: dict[Tier, dict[BlockKey, float]] = {t: {} for t in LOCAL}
         self._leaving: dict[tuple[Tier, BlockKey], float] = {}  # (tier, key) chosen to leave -> give-up time
-        self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
         # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
         # first): key -> (parent, give-up time). Promoted as shedding frees room.
         self._wanted: dict[BlockKey, tuple[BlockKey | None, float]] = {}
@@ -77,40 +79,49 @@ class Placement(Residency):
         self._demoting: dict[tuple[Tier, BlockKey], Tier] = {}
         # Blocks read straight from Redis and not yet brought up: key -> reads, oldest first.
         self._remote_reads: OrderedDict[BlockKey, int] = OrderedDict()
-
-    # --- queries -------------------------------------------------------------------------------
-
-    def incoming(self, t: Tier) -> int:
-        """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
-        reserved a slot the block counts in the index; counting it here too would double it.)"""
-        idx = self.tiers[t]
-        return sum(1 for k in self._incoming[t] if idx.get(k) is None)
-
-    def room(self, t: Tier) -> int:
-        idx = self.tiers[t]
-        return max(0, idx.free - self.incoming(t)) if idx.capacity else 0
+        self._spill = SpillCopies(pool)  # heads of spilled puts, copied to Redis once stored
 
     # --- decisions -----------------------------------------------------------------------------
 
     def admit(self, keys: Sequence[BlockKey], now: float) -> list[Tier | None]:
-        """Where each new block from a client goes: the highest local tier with room (counting
-        blocks already on their way in), else straight to Redis rather than dropping it.
-        None for a block already here or already on its way (a duplicate put)."""
+        """Where each new block from a client goes, head first: the highest local tier with room
+        (counting blocks already on their way in), then, for a chain that does not fit, a slot
+        the worker frees by dropping a colder chain's clean tail block, else straight to Redis
+        rather than dropping it. None for a block already here or already on its way (a
+        duplicate put)."""
         self._expire(now)
-        room = {t: self.room(t) for t in LOCAL}
-        out: list[Tier | None] = []
-        seen: set[BlockKey] = set()
+        fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
         for key in keys:
-            if key in seen or any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
-                out.append(None)
+            if all(self.tiers[t].get(key) is None and key not in self._incoming[t] for t in LOCAL):
+                fresh[key] = None
+        slots = [t for t in LOCAL for _ in range(min(self.room(t), len(fresh)))]
+        if len(slots) < len(fresh):
+            # Colder chains' tails make way for this chain's head: blocks Redis (for gpu: cpu)
+            # holds too, which the worker drops when it finds the tier full (room_victim).
+            for t in LOCAL:
+                slots += [t] * self._clean_spares(t, len(fresh) - len(slots))
+        place = dict(zip(fresh, slots))
+        out: list[Tier | None] = []
+        for key in keys:
+            if key not in fresh:
+                out.append(None)  # here already, on its way, or a duplicate within this put
                 continue
-            seen.add(key)
-            tier = next((t for t in LOCAL if room[t] > 0), Tier.REDIS)
+            del fresh[key]
+            tier = place.get(key, Tier.REDIS)
             if tier in self._incoming:
                 self._incoming[tier][key] = now + self.knobs.transfer_timeout_s
-                room[tier] -= 1
             out.append(tier)
         return out
+
+    def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float
+               ) -> tuple[list[Tier | None], list[Command]]:
+        """`admit`, and the Redis copies a put that spills calls for (core/spill.py): the copies
+        of its local ancestors go now, those of its own local head once they are stored."""
+        tiers = self.admit(keys, now)
+        if (self.knobs.redis_write is RedisWrite.WRITE_THROUGH or self.knobs.redis_admit_after_hits
+                or Tier.REDIS not in tiers):
+            return tiers, []
+        return tiers, list(self._spill.spilled(self, keys, tiers, parent, now + self.knobs.transfer_timeout_s))
 
     def on_access(self, keys: Iterable[BlockKey], now: float) -> list[Command]:
         self._expire(now)
@@ -218,6 +229,12 @@ class Placement(Residency):
         cause = fact.cause  # a Removed of any cause but EVICT is that command's failure
         if fact.tier in self._incoming and cause in (Cause.STORE, Cause.PROMOTE, Cause.DEMOTE):
             self._incoming[fact.tier].pop(fact.key, None)
+        spill = None
+        if fact.tier in LOCAL and cause == Cause.STORE:
+            if isinstance(fact, Stored):
+                spill = self._spill.stored(self, fact.key, fact.tier)
+            else:
+                self._spill.forget(fact.key)
         if fact.tier != Tier.GPU and cause == Cause.DEMOTE:
             src = self._demoting.pop((fact.tier, fact.key), None)
             if src is None:
@@ -230,11 +247,12 @@ class Placement(Residency):
                 e = self.tiers[src].get(fact.key)
                 # Only a block still on its way out may go; a redelivered fact must not evict a
                 # block that has since come back. And a child may have arrived meanwhile: then
-                # the parent stays (tail first; for cpu, also while a child sits in gpu) and the
-                # copy below is merely a spare.
+                # the parent stays (tail first; also while a child sits in the other local tier
+                # and this copy would leave the node) and the copy below is merely a spare.
                 if e is None or not e.leaving:
                     return []
-                if self.tiers[src].children(fact.key) or self._extended_above(src, fact.key) or e.pins > 1:
+                if (self.tiers[src].children(fact.key) or self.strands_children(src, fact.key, fact.tier)
+                        or e.pins > 1):
                     self._unmark(src, fact.key)
                     return []
                 if (src, fact.key) in self._leaving:  # a full timeout for the last step
@@ -251,7 +269,7 @@ class Placement(Residency):
                 self._leaving.pop((fact.tier, fact.key), None)
         if isinstance(fact, Removed) and cause == Cause.PROMOTE and not self._expected(fact.key):
             self._leases.pop(fact.key, None)  # nothing came: do not hold a lease slot for it
-        copy = copy_for_fact(self, self.knobs, self.pool, fact)
+        copy = copy_for_fact(self, self.knobs, self.pool, fact) or spill
         return [] if copy is None else [copy]
 
     def _expected(self, key: BlockKey) -> bool:
@@ -295,6 +313,7 @@ class Placement(Residency):
         return out
 
     def _expire(self, now: float) -> None:
+        self._spill.expire(now)
         for key in [k for k, until in self._leases.items() if until <= now]:
             del self._leases[key]
         for key in [k for k, (_, until) in self._wanted.items() if until <= now]:
@@ -327,7 +346,7 @@ class Placement(Residency):
         for key in list(idx.candidates()):
             if excess <= 0:
                 break
-            if key in self._leases or self._extended_above(t, key):
+            if key in self._leases:
                 continue
             e = idx.get(key)
             assert e is not None
@@ -336,6 +355,8 @@ class Placement(Residency):
                 # cpu is full, perhaps of the very parents of these gpu blocks, which may not
                 # leave before them: write the gpu block straight to Redis rather than deadlock.
                 dst = Tier.REDIS
+            if self.strands_children(t, key, dst):
+                continue  # tail first across tiers too: it waits for room in cpu, or for its children
             if key in self.tiers[dst]:
                 out.append(Evict(self.pool, key, t, Reason.CLEAN))
             elif dst == Tier.REDIS and not self.reused(key):
@@ -349,32 +370,3 @@ class Placement(Residency):
             self._leaving[(t, key)] = give_up
             excess -= 1
         return out
-
-    def clean_victim(self, t: Tier) -> BlockKey | None:
-        """A block `t` may drop right now to make room: one the next tier is believed to hold.
-        For cpu that belief is the record of what was written to Redis; the worker confirms it
-        with Redis before dropping the last local copy."""
-        if t == Tier.REDIS:
-            return None
-        return next(self._clean_victims(t), None)
-
-    def _clean_victims(self, t: Tier) -> Iterator[BlockKey]:
-        idx, lower = self.tiers[t], self.tiers[Tier(t + 1)]
-        for e in idx.ready():
-            # A block already leaving for the tier below counts: its pin is ours, not a reader's.
-            if (e.pins == int(e.leaving) and not idx.children(e.key) and e.key in lower
-                    and e.key not in self._leases and not self._extended_above(t, e.key)):
-                yield e.key
-
-    def _clean_spares(self, t: Tier, want: int) -> int:
-        """How many more blocks a full `t` can take now, at most `want`: the worker makes room
-        for each by dropping a block the next tier holds, beyond those that blocks already on
-        their way in will take."""
-        deficit = max(0, self.incoming(t) - self.tiers[t].free)
-        found = sum(1 for _ in itertools.islice(self._clean_victims(t), deficit + want))
-        return max(0, found - deficit)
-
-    def _extended_above(self, t: Tier, key: BlockKey) -> bool:
-        """Leaving cpu means leaving the node. A block whose extension is still resident in gpu
-        must stay: without it every lookup of that prefix stops short of the cached tail."""
-        return t == Tier.CPU and self.tiers[Tier.GPU].children(key) > 0

@@ -115,12 +115,13 @@ class Coordinator:
             return
         self.log.debug("coordinator.commands", n=len(cmds))
 
-    def _put(self, rt: PoolRuntime, ev: Put) -> list:
+    def _put(self, rt: PoolRuntime, ev: Put) -> list[Store | Copy]:
         rt.counters.puts += len(ev.blocks)
         if ev.tokens is not None and self.on_tokens is not None:
             self.on_tokens(rt.name, [b.key for b in ev.blocks], ev.tokens)
-        cmds: list = []
-        for b, tier in zip(ev.blocks, rt.placement.admit([b.key for b in ev.blocks], time.monotonic())):
+        tiers, cmds = rt.placement.on_put([b.key for b in ev.blocks], ev.blocks[0].parent if ev.blocks else None,
+                                          time.monotonic())
+        for b, tier in zip(ev.blocks, tiers):
             if tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
             else:

@@ -65,6 +65,35 @@ async def test_the_local_head_comes_from_shared_memory_and_the_rest_from_redis(d
     r.close()
 
 
+async def test_a_prefix_alternating_between_shared_memory_and_redis_is_read_whole(daemon_factory, redis_server):
+    """Issue 25: each block comes from wherever it is. Node B holds blocks 1 and 3 (and Redis no
+    longer does: evicted there), Redis holds the others: one call reads all six, four of them
+    from Redis, and locate counts all six. Before, both stopped after block 0."""
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys, kv = await chain_in_redis(ca, r, b"alternating")
+        for i in (1, 3):
+            assert (await cb.put("t", keys[i:i + 1], kv[i:i + 1], parent=keys[i - 1])).staged == 1
+        assert await cb.wait_resident("t", [keys[1], keys[3]], timeout=10)
+        r.delete(redis_block_key("t", keys[1]), redis_block_key("t", keys[3]))
+        found = await cb.locate("t", keys)
+        assert (found.length, found.redis_length) == (0, N)
+        # A block in neither place ends the run there.
+        fourth = r.get(redis_block_key("t", keys[4]))
+        r.delete(redis_block_key("t", keys[4]))
+        assert (await cb.locate("t", keys)).redis_length == 4
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out, remote=True) == 4 and same_bytes(out[:4], kv[:4])
+        assert cb.stats.remote_reads == 2, "blocks 1 and 3 came from shared memory"
+        r.set(redis_block_key("t", keys[4]), fourth)
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out, remote=True) == N and same_bytes(out, kv)
+        assert (await cb.locate("t", keys)).redis_length + cb.lookup("t", keys).length == N
+    r.close()
+
+
 async def test_a_corrupt_value_ends_the_prefix_is_counted_and_deleted(daemon_factory, redis_server):
     a = daemon_factory(node="a", extra=THROUGH)
     b = daemon_factory(node="b")

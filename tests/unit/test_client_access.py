@@ -11,6 +11,7 @@ from kvtier.client.access import ACCESS_FLUSH_S, AccessReports
 from kvtier.client.results import ClientStats
 from kvtier.core.events import Access
 from kvtier.keys import BlockKey
+from kvtier.logs import LogThrottle
 
 K1, K2, K3 = (BlockKey(bytes([i]) * 32) for i in (1, 2, 3))
 
@@ -28,7 +29,7 @@ class FakePublisher:
 
 
 def reports(pub: FakePublisher, stats: ClientStats) -> AccessReports:
-    return AccessReports(pub, "n/client", stats, structlog.get_logger("test"))  # type: ignore[arg-type]
+    return AccessReports(pub, "n/client", stats, LogThrottle(structlog.get_logger("test")))
 
 
 async def test_reads_within_the_window_go_in_one_round_trip_per_pool_batch():

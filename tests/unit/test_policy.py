@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.core.events import Cause, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
+from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
+from kvtier.core.knobs import RedisWrite
 from tests.support.placement import NOW, POOL, TIMEOUT, k, placement, put
 
 # --- admit ---------------------------------------------------------------------------------------
@@ -43,6 +44,66 @@ def test_admit_duplicates_are_none_but_redis_only_blocks_are_admitted() -> None:
     p.tiers[Tier.CPU].reserve(k(3), None)  # PENDING counts as here too
     put(p, Tier.REDIS, [4])
     assert p.admit([k(1), k(2), k(3), k(4), k(5)], NOW) == [None, None, None, Tier.CPU, Tier.CPU]
+
+
+def test_a_chain_that_does_not_fit_keeps_its_head_by_dropping_colder_clean_tails() -> None:
+    """Issue 25: the head of a new chain stays local; room for it comes from colder chains' tail
+    blocks that Redis holds (the worker drops them: room_victim), and only the tail spills."""
+    p = placement(gpu=0, cpu=6)
+    put(p, Tier.CPU, [1, 2, 3], chain=True)  # a cold chain, all of it also in Redis
+    put(p, Tier.REDIS, [1, 2, 3])
+    put(p, Tier.CPU, [10, 11])  # warm blocks only this node holds
+    new = [k(20 + i) for i in range(5)]
+    # One free slot, then the cold chain's three clean blocks (tail first), then Redis.
+    assert p.admit(new, NOW) == [Tier.CPU] * 4 + [OVERFLOW]
+    victims = []
+    for _ in range(3):  # the worker, taking room as it stores the spare-admitted blocks
+        victims.append(p.clean_victim(Tier.CPU))
+        p.dropped(Tier.CPU, victims[-1])
+    assert victims == [k(3), k(2), k(1)], "a chain gives way tail first"
+    assert k(10) in p.tiers[Tier.CPU] and k(11) in p.tiers[Tier.CPU], "dirty blocks are never spares"
+
+
+def test_a_put_that_spills_copies_its_local_head_and_ancestors_to_redis_under_write_back() -> None:
+    """Redis must not hold a spilled tail without its head: another node's read starts at block 0."""
+    p = placement(gpu=0, cpu=5)
+    put(p, Tier.CPU, [1, 2], chain=True)  # the chain so far, only on this node
+    put(p, Tier.CPU, [50])
+    chain = [k(3), k(4), k(5)]
+    tiers, now = p.on_put([k(2)] + chain, k(1), NOW)
+    assert tiers == [None, Tier.CPU, Tier.CPU, OVERFLOW]
+    # k(2) (already here) and its ancestor k(1) go now; the new head once it is stored.
+    assert now == [Copy(POOL, k(2), k(1), Tier.CPU, Tier.REDIS), Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    assert k(1) in p.tiers[Tier.CPU] and k(2) in p.tiers[Tier.CPU]  # copies, not moves
+    p.tiers[Tier.CPU].add(k(3), k(2))
+    stored = Stored(POOL, k(3), k(2), Tier.CPU, 0, Cause.STORE)
+    assert p.on_fact(stored) == [Copy(POOL, k(3), k(2), Tier.CPU, Tier.REDIS)]
+    assert p.on_fact(stored) == [], "one copy, not one per delivery"
+    assert p.on_fact(Removed(POOL, k(4), Tier.CPU, Cause.STORE, Failure.VERIFY)) == []  # its store failed
+    p.tiers[Tier.CPU].add(k(4), k(3))
+    assert p.on_fact(Stored(POOL, k(4), k(3), Tier.CPU, 1, Cause.STORE)) == [], "forgotten with its failure"
+
+
+def test_a_put_that_fits_or_a_write_through_or_filtered_pool_makes_no_spill_copies() -> None:
+    fits = placement(gpu=0, cpu=5)
+    assert fits.on_put([k(1), k(2)], None, NOW) == ([Tier.CPU, Tier.CPU], [])
+    for knobs in ({"redis_write": RedisWrite.WRITE_THROUGH}, {"redis_admit_after_hits": 2}):
+        p = placement(gpu=0, cpu=1, **knobs)
+        put(p, Tier.CPU, [9])
+        tiers, cmds = p.on_put([k(1), k(2), k(3)], k(9), NOW)
+        assert tiers == [Tier.CPU, OVERFLOW, OVERFLOW] or tiers == [OVERFLOW] * 3
+        assert cmds == []
+        p.tiers[Tier.CPU].add(k(1), k(9))
+        assert not [c for c in p.on_fact(Stored(POOL, k(1), k(9), Tier.CPU, 0, Cause.STORE))
+                    if isinstance(c, Copy) and c.key == k(1) and "admit_after" in str(knobs)]
+
+
+def test_a_spilled_puts_ancestor_walk_stops_at_redis_and_at_the_node_edge() -> None:
+    p = placement(gpu=0, cpu=4)
+    put(p, Tier.CPU, [1, 2, 3], chain=True)
+    put(p, Tier.REDIS, [1])
+    _, cmds = p.on_put([k(4), k(5)], k(3), NOW)
+    assert [c.key for c in cmds] == [k(3), k(2)], "k(1) is in Redis already"
 
 
 def test_where_prefers_the_highest_tier() -> None:
@@ -130,6 +191,31 @@ def test_demotes_on_their_way_down_count_toward_the_next_tier_pressure() -> None
     # cpu: 8 used + 2 incoming = 10 > 9 -> shed to 7: three blocks go to redis.
     assert [(c.key, c.dst) for c in cpu_cmds] == [(k(i), Tier.REDIS) for i in range(100, 103)]
     assert len(cmds) == 6
+
+
+def test_gpu_never_sends_a_block_off_the_node_ahead_of_its_children_in_cpu() -> None:
+    """Issue 25: a put's head in gpu, its tail in cpu, cpu full. The head's last gpu block is a
+    gpu leaf, but Redis is no place for it: reads of the chain would stop there. It waits for cpu
+    room; a gpu leaf whose children are nowhere local may still go straight to Redis."""
+    p = placement(gpu=4, cpu=4, high_watermark=0.5, low_watermark=0.25)
+    put(p, Tier.GPU, [1, 2], chain=True)
+    p.tiers[Tier.CPU].add(k(3), k(2))  # the rest of that chain, in cpu
+    put(p, Tier.CPU, [30, 31, 32])  # cpu full
+    put(p, Tier.GPU, [40])  # a gpu leaf with no children anywhere
+    gpu_cmds = [c for c in p.pressure(NOW) if getattr(c, "src", getattr(c, "tier", None)) == Tier.GPU]
+    assert [(c.key, c.dst) for c in gpu_cmds] == [(k(40), Tier.REDIS)]
+    assert not p.tiers[Tier.GPU].get(k(2)).leaving
+    # A child that reached cpu after the choice: the write-back completes, but the gpu copy stays.
+    q = placement(gpu=2, cpu=1, high_watermark=0.5, low_watermark=0.5)
+    put(q, Tier.CPU, [30])
+    put(q, Tier.GPU, [1, 2])
+    [d] = [c for c in q.pressure(NOW) if isinstance(c, Demote) and c.src == Tier.GPU]
+    assert (d.key, d.dst) == (k(1), Tier.REDIS)
+    q.tiers[Tier.CPU].remove(k(30))
+    q.tiers[Tier.CPU].add(k(5), k(1))  # k(1)'s child arrives in cpu
+    assert q.in_redis(k(1), None)
+    assert q.on_fact(Stored(POOL, k(1), None, Tier.REDIS, -1, Cause.DEMOTE)) == []
+    assert k(1) in q.tiers[Tier.GPU] and not q.tiers[Tier.GPU].get(k(1)).leaving
 
 
 # --- facts ---------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""What one pool's tiers have room for: the blocks on their way in, the clean blocks a full tier
+can drop at once, and the rule that keeps a chain's head on the node while its extensions are
+here. Pure: no I/O, no clock.
+
+`Placement` (kvtier/core/policy.py) is a Room: its decisions mark what they send in flight here,
+and ask here how much room a tier has. The tier workers' make-room rule (core/eviction.py
+`room_victim`) takes its victim from `clean_victim`, in the order `_clean_spares` counts them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from kvtier.core.events import Tier
+from kvtier.core.index import Entry, TierIndex
+from kvtier.core.residency import LOCAL, Residency
+from kvtier.keys import BlockKey
+
+# How many of a tier's coldest blocks a put that does not fit looks through for clean ones.
+SPARE_WINDOW = 4096
+
+
+class Room(Residency):
+    def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
+        super().__init__(tiers)
+        # Blocks commanded into a local tier whose outcome fact has not come back: key -> give-up
+        # time. Counting them keeps a burst of puts from over-filling a tier before its worker
+        # catches up.
+        self._incoming: dict[Tier, dict[BlockKey, float]] = {t: {} for t in LOCAL}
+        self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
+
+    def incoming(self, t: Tier) -> int:
+        """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
+        reserved a slot the block counts in the index; counting it here too would double it.)"""
+        idx = self.tiers[t]
+        return sum(1 for k in self._incoming[t] if idx.get(k) is None)
+
+    def room(self, t: Tier) -> int:
+        idx = self.tiers[t]
+        return max(0, idx.free - self.incoming(t)) if idx.capacity else 0
+
+    def clean_victim(self, t: Tier) -> BlockKey | None:
+        """A block `t` may drop right now to make room: one the next tier is believed to hold.
+        For cpu that belief is the record of what was written to Redis; the worker confirms it
+        with Redis before dropping the last local copy."""
+        if t == Tier.REDIS:
+            return None
+        return next(self._clean_victims(t), None)
+
+    def _clean_victims(self, t: Tier) -> Iterator[BlockKey]:
+        idx = self.tiers[t]
+        for e in idx.ready():
+            if not idx.children(e.key) and self._clean(t, e):
+                yield e.key
+
+    def _clean(self, t: Tier, e: Entry) -> bool:
+        """`e` may be dropped from `t` as soon as no child of it is left there: the next tier
+        holds it, and nothing else keeps it. A block already leaving for the tier below counts:
+        its pin is ours, not a reader's."""
+        lower = Tier(t + 1)
+        return (e.pins == int(e.leaving) and e.key in self.tiers[lower] and e.key not in self._leases
+                and not self.strands_children(t, e.key, lower))
+
+    def _clean_spares(self, t: Tier, want: int) -> int:
+        """How many more blocks a full `t` can take now, at most `want`: the worker makes room
+        for each by dropping a block the next tier holds (a chain's tail first, then the block
+        that tail hung off), beyond those that blocks already on their way in will take. Only
+        the coldest SPARE_WINDOW blocks are looked at: this runs for every put that does not fit."""
+        idx = self.tiers[t]
+        need = max(0, self.incoming(t) - idx.free) + want
+        clean = {e.key: e for e in itertools.islice(idx.ready(), SPARE_WINDOW) if self._clean(t, e)}
+        kids = {key: idx.children(key) for key in clean}  # children not yet counted as dropped
+        leaves = [key for key, n in kids.items() if n == 0]
+        found = 0
+        while leaves and found < need:
+            parent = clean[leaves.pop()].parent
+            found += 1
+            if parent in kids:
+                kids[parent] -= 1
+                if kids[parent] == 0:
+                    leaves.append(parent)
+        return max(0, found - (need - want))
+
+    def strands_children(self, t: Tier, key: BlockKey, dst: Tier | None = None) -> bool:
+        """Whether `key` leaving local tier `t` (for `dst`) would take it off the node while a
+        child of it stays resident in the other local tier: every lookup and read of that prefix
+        would then stop short of the cached tail. Leaving cpu means leaving the node (its gpu
+        children keep it); leaving gpu does when cpu does not hold it and it is not going there."""
+        if t == Tier.CPU:
+            return self.tiers[Tier.GPU].children(key) > 0
+        return dst != Tier.CPU and key not in self.tiers[Tier.CPU] and self.tiers[Tier.CPU].children(key) > 0
