@@ -1,4 +1,4 @@
-"""`kvtier daemon | config check | status | bench | demo`."""
+"""kvtier: the per-node KV-cache tier daemon and its tools (daemon, config check, status, where, bench, demo)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,19 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from kvtier.daemon.app import Daemon
     from kvtier.daemon.lifecycle import stop_on_signals
+    from kvtier.errors import KvtierError
     from kvtier.logs import configure_logging
 
     cfg = _load(args.config)
     configure_logging(cfg.log.level, cfg.log.format)
     log = structlog.get_logger("kvtier")
 
+    daemon = Daemon(cfg, os.environ, log)
+
     async def main() -> None:
         stop = asyncio.Event()
         with stop_on_signals(stop, log, force_after_s=cfg.daemon.shutdown_grace_s + 10):
-            await Daemon(cfg, os.environ, log).run(stop)
+            await daemon.run(stop)
 
     try:
         if cfg.daemon.event_loop == "uvloop":
@@ -58,6 +61,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         log.warning("daemon.forced_exit")
         return 1
+    except KvtierError as e:  # expected (a setting, another daemon, no room): one line, no traceback
+        log.error("daemon.fatal" if daemon.ready.is_set() else "daemon.start_failed", error=str(e))
+        return 1
     except BaseException as e:  # report a fatal error as one log line, then a non-zero exit
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -67,15 +73,20 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    cfg = _load(args.file)
+    if args.file and args.config_file and args.file != args.config_file:
+        print("kvtier config check: give the file once (FILE or --config FILE)", file=sys.stderr)
+        return 2
+    path = args.file or args.config_file
+    cfg = _load(path)
     print(format_config(cfg, redact=True))
-    print(f"# OK: {args.file or '(defaults)'} is valid", file=sys.stderr)
+    print(f"# OK: {path or '(defaults)'} is valid", file=sys.stderr)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvtier.runtime import STATS, read_json
-    from kvtier.status import render_status
+    from kvtier.processes import pid_alive
+    from kvtier.runtime import RUNTIME_DIR_ENV, STATS, read_json
+    from kvtier.status import liveness, render_status
 
     rdir = runtime_dir_for(args.runtime_dir, os.environ)
     prev, shown = None, 0
@@ -84,16 +95,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             try:
                 stats = read_json(rdir / STATS)
             except (OSError, ValueError) as e:
-                print(f"kvtier: no daemon stats at {rdir / STATS}: {e}", file=sys.stderr)
+                where = "" if args.runtime_dir or os.environ.get(RUNTIME_DIR_ENV) else (
+                    f" (the default runtime directory; a daemon elsewhere is found with --runtime-dir DIR or "
+                    f"{RUNTIME_DIR_ENV}=DIR)")
+                print(f"kvtier: no daemon stats at {rdir / STATS}{where}: {e}", file=sys.stderr)
                 return 1
-            text = json.dumps(stats, indent=1) if args.json else render_status(stats, prev)
+            down = liveness(stats, time.time(), pid_alive(stats.get("pid")))
+            if down is not None and not args.watch:
+                print(f"kvtier: {down}", file=sys.stderr)
+                return 1
+            if down is not None:
+                text = down  # keep watching: a restarted daemon shows up again
+            else:
+                text = json.dumps(stats, indent=1) if args.json else render_status(stats, prev)
             if args.watch and sys.stdout.isatty():
                 print("\x1b[H\x1b[2J", end="")  # redraw in place, like top
             print(text, flush=True)
             shown += 1
             if not args.watch or (args.count and shown >= args.count):
                 return 0
-            prev = stats
+            prev = stats if down is None else None
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
@@ -138,16 +159,22 @@ def cmd_where(args: argparse.Namespace) -> int:
         with SyncClient(args.runtime_dir) as c:
             keys = c.block_keys(args.pool, tokens, salt=args.salt.encode() if args.salt else None)
             w = c.where(args.pool, keys)
+            indexed, node = c.prefix_index, c.node
     except (KvtierError, OSError) as e:
         print(f"kvtier where: {e}", file=sys.stderr)
         return 1
+    off = (f"[prefix_index] is not enabled on this daemon (node {node}): it lists none of its blocks, and "
+           f"`where` names only nodes whose daemons enable it (docs/integrations/events.md)")
     if args.json:
         print(json.dumps({"blocks": len(keys), "length": w.length, "redis_length": w.redis_length,
+                          "prefix_index_enabled": indexed,
                           "nodes": [{"node": r.node, "length": r.length, "tiers": list(r.tiers)} for r in w.nodes]}))
         return 0
     print(f"{len(keys)} full blocks; Redis holds the first {w.redis_length}")
+    if not indexed:
+        print(f"kvtier where: {off}", file=sys.stderr)
     if not w.nodes:
-        print("no node holds the first block locally")
+        print("no node holds the first block locally" + ("" if indexed else " in the index"))
     for r in w.nodes[:args.top]:
         tiers = ", ".join(f"{t} {r.tiers.count(t)}" for t in ("gpu", "cpu") if t in r.tiers)
         print(f"{r.node:<32} {r.length:>6} blocks  ({tiers})")
@@ -167,8 +194,11 @@ def cmd_demo_worker(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
+
     ap = argparse.ArgumentParser(prog="kvtier", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{daemon,config,status,where,bench,demo}")
 
     d = sub.add_parser("daemon", help="run the per-node daemon")
     d.add_argument("--config", "-c", help="TOML config file (default: built-in defaults + KVTIER__* env)")
@@ -178,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="config_cmd", required=True)
     cc = csub.add_parser("check", help="print the resolved config, or every error in it")
     cc.add_argument("file", nargs="?", help="TOML config file")
+    cc.add_argument("--config", "-c", dest="config_file", help="the same, as `kvtier daemon` takes it")
     cc.set_defaults(fn=cmd_config_check)
 
     s = sub.add_parser("status", help="show tiers and counters of the running daemon")
@@ -246,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, stats) afterwards")
     m.set_defaults(fn=cmd_demo)
 
-    w = sub.add_parser("_demo-worker", help=argparse.SUPPRESS)
+    w = sub.add_parser("_demo-worker")  # the demo's client processes: not listed
     w.add_argument("--runtime-dir", required=True)
     w.add_argument("--pool", required=True)
     w.add_argument("--prefixes", type=int, required=True)
@@ -266,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:
+        # The reader went away (`kvtier status | head -1`): not an error. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -91,39 +91,41 @@ def _isatty(stream: Any) -> bool:
 
 
 class LogThrottle:
-    """At most one line per event name per `every_s`: the first at once, then the lines skipped
-    meanwhile are counted (`suppressed`) in the next one. For what a library logs on every call
-    while something it needs is down (a client in an engine during a Redis outage): the engine's
-    stderr gets a line and a count, not a line per request. Thread-safe."""
+    """At most one line per event name (and `per` value) per `every_s`: the first at once, then
+    the lines skipped meanwhile are counted (`suppressed`) in the next one. For what would
+    otherwise log on every call while something it needs is down: a client in an engine during a
+    Redis outage, a tier worker whose every transfer fails. The log gets a line and a count, not a
+    line per request. Thread-safe."""
 
     def __init__(self, log: Any, every_s: float = 5.0) -> None:
         self._log, self._every = log, every_s
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
+        self._last: dict[tuple[str, object], float] = {}
+        self._skipped: dict[tuple[str, object], tuple[str, int]] = {}  # -> (level, lines skipped)
         self._lock = threading.Lock()
 
-    def _emit(self, level: str, event: str, **kw: Any) -> None:
+    def _emit(self, level: str, event: str, per: object, kw: dict[str, Any]) -> None:
         now = time.monotonic()
+        k = (event, per)
         with self._lock:
-            if now - self._last.get(event, -1e9) < self._every:
-                self._skipped[event] = self._skipped.get(event, 0) + 1
+            if now - self._last.get(k, -1e9) < self._every:
+                self._skipped[k] = (level, self._skipped.get(k, (level, 0))[1] + 1)
                 return
-            self._last[event] = now
-            skipped = self._skipped.pop(event, 0)
+            self._last[k] = now
+            skipped = self._skipped.pop(k, (level, 0))[1]
         getattr(self._log, level)(event, suppressed=skipped, **kw)
 
-    def info(self, event: str, **kw: Any) -> None:
-        self._emit("info", event, **kw)
+    def info(self, event: str, *, per: object = None, **kw: Any) -> None:
+        self._emit("info", event, per, kw)
 
-    def warning(self, event: str, **kw: Any) -> None:
-        self._emit("warning", event, **kw)
+    def warning(self, event: str, *, per: object = None, **kw: Any) -> None:
+        self._emit("warning", event, per, kw)
 
-    def error(self, event: str, **kw: Any) -> None:
-        self._emit("error", event, **kw)
+    def error(self, event: str, *, per: object = None, **kw: Any) -> None:
+        self._emit("error", event, per, kw)
 
     def flush(self) -> None:
         """Log the counts still held back (at close), one line per event."""
         with self._lock:
             skipped, self._skipped = self._skipped, {}
-        for event, n in skipped.items():
-            self._log.warning(event, suppressed=n, note="lines held back since the last one")
+        for (event, _), (level, n) in skipped.items():
+            getattr(self._log, level)(event, suppressed=n, note="lines held back since the last one")

@@ -1,7 +1,8 @@
 """The runtime directory and the files the daemon publishes there.
 
 - `kvtier.json`, the descriptor: tells clients how to reach the daemon (pools, segments, streams);
-- `stats.json`: the counters `kvtier status` and the tools read.
+- `stats.json`: the counters `kvtier status` and the tools read;
+- `daemon.lock`: held (flock) by the one daemon that owns the directory.
 
 Both are written atomically (temp file + rename), so a reader never sees half of one, and are
 JSON, not pickle: readers parse them with no code execution. The directory itself is resolved
@@ -18,6 +19,7 @@ from typing import Any
 
 DESCRIPTOR = "kvtier.json"
 STATS = "stats.json"
+LOCK = "daemon.lock"  # flocked by the daemon that owns the directory (daemon/node.py)
 FORMAT_VERSION = 1
 RUNTIME_DIR_ENV = "KVTIER__NODE__RUNTIME_DIR"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 COLUMNS = ("blocks", "capacity", "hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
 
 
@@ -15,6 +17,28 @@ def _latency(t: dict) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
+
+
+def human_bytes(n: float) -> str:
+    """1.5 GiB, 2.0 MiB, 8 KiB, 512 B: a size in the unit that shows it."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def liveness(stats: dict, now: float, alive: bool) -> str | None:
+    """Why these stats are not a running daemon's, or None when they are: its pid is gone, or it
+    has not written them for several intervals (hung, or stopped on another host's pid)."""
+    age = now - float(stats.get("written_at") or 0)
+    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(stats.get("written_at") or 0)))
+    last = f"last seen {seen}, {age:.0f} s ago: pid {stats.get('pid')}, node {stats.get('node')}"
+    if not alive:
+        return f"daemon not running ({last})"
+    if age > max(10.0, 5 * float(stats.get("stats_interval_s") or 1.0)):
+        return f"daemon not writing its stats ({last}; it is alive but hung, or busy past its watchdog)"
+    return None
 
 
 RATES = ("hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
@@ -47,8 +71,9 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
     dt = (stats.get("written_at", 0) - prev.get("written_at", 0)) if prev else 0.0
     for name, pool in sorted(stats.get("pools", {}).items()):
         lines.append(
-            f"pool {name}: block {_mib(pool['block_bytes'])} MiB  puts {pool['puts']}  "
-            f"dropped {pool['puts_dropped']}  misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
+            f"pool {name}: block {human_bytes(pool['block_bytes'])}  puts {pool['puts']}  "
+            f"dropped {pool['puts_dropped']} (by clients {pool.get('client_puts_dropped', 0)})  "
+            f"misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
         )
         lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "   MiB used/cap  in ms avg/max")
         for tier in ("gpu", "cpu", "redis"):

@@ -34,8 +34,10 @@ from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
 from kvtier.errors import MalformedEvent
 from kvtier.failpoints import Failpoints
+from kvtier.logs import LogThrottle
 
 CANCEL_FLUSH_TIMEOUT_S = 1.0  # bounded: a cancelled consumer must not hang on a dead Redis
+SUMMARY_S = 60.0  # one `bus.summary` line (info) per consumer per this many seconds of work
 
 Batch = list[tuple[str, list[Entry]]]  # (stream, entries) pairs, as read
 
@@ -100,11 +102,16 @@ class Consumer:
         self._max_deliveries = max_deliveries
         self.stats = stats
         self._log = log.bind(group=group, consumer=consumer)
+        self._quiet = LogThrottle(self._log)
+        self._summary = _Summary(time.monotonic())
         self._settler = Settler(redis, group, dlq, publisher_maxlen, stats, self._log)
         self.outages = OutageLedger()
         self._stopping = False
         self._running = False
         self._groups_seen = False
+        # drain(): the newest entry id of each stream when the drain began, and the newest read.
+        self._drain_to: dict[str, tuple[int, int]] | None = None
+        self._read_to: dict[str, tuple[int, int]] = {}
 
     def stop(self) -> None:
         """Ask `run()` to return once the current batch is handled and acked (within ~block_ms).
@@ -112,6 +119,15 @@ class Consumer:
         Final: a stopped Consumer does not run again; build a new one.
         """
         self._stopping = True
+
+    def drain(self) -> None:
+        """Ask `run()` to handle what its streams hold now, then return as `stop()` does: it reads
+        on, without blocking, until it has read every entry that was there when the drain began
+        (entries added later are left for the next start), or a read finds nothing new. A graceful
+        stop drains, so that what clients were told is staged is stored before the daemon exits
+        (their staging may be gone by the next start)."""
+        if self._drain_to is None:
+            self._drain_to = {}  # the targets are read by run(), on the loop that owns the client
 
     async def run(self) -> None:
         if self._running:
@@ -132,6 +148,9 @@ class Consumer:
                         await self._autoclaim()
                         recovered = True
                         next_claim = time.monotonic() + self._claim_idle_ms / 1000
+                    elif self._drain_to is not None:
+                        if await self._drained():
+                            break
                     elif time.monotonic() >= next_claim:
                         await self._autoclaim()
                         next_claim = time.monotonic() + self._claim_idle_ms / 1000
@@ -142,7 +161,12 @@ class Consumer:
                 except REDIS_ERRORS as e:
                     if is_outage(e):  # first: CLUSTERDOWN is also a ResponseError
                         self.stats.redis_errors += 1
-                        self._log.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
+                        self._quiet.warning("bus.redis_unavailable", error=str(e), failures=failures + 1)
+                        if self._drain_to is not None:
+                            # A drain cannot progress without Redis: stop now rather than retry
+                            # until the grace period ends; the entries wait for the next start.
+                            self._log.warning("bus.drain_abandoned", error=str(e))
+                            break
                     elif isinstance(e, ResponseError) and str(e).startswith("NOGROUP"):
                         # The group (and its PEL) is gone; redo the whole start-up procedure.
                         self._log.warning("bus.nogroup", error=str(e))
@@ -213,14 +237,31 @@ class Consumer:
                 if cursor in (b"0-0", "0-0"):
                     break
 
-    async def _read_new(self) -> None:
+    async def _read_new(self, block: bool = True) -> bool:
+        """Read and handle new entries; whether there were any."""
         reply = cast(list[tuple[bytes, list[Entry]]], await self._redis.xreadgroup(
             self._group, self._consumer, {s: ">" for s in self._streams}, count=self._read_count,
-            block=self._block_ms,
+            block=self._block_ms if block else None,
         ))  # fmt: skip
-        if reply:
-            batches = [(self._by_key.get(key, key.decode()), entries) for key, entries in reply]
-            await self._handle(batches, counted=False)
+        if not reply:
+            return False
+        batches = [(self._by_key.get(key, key.decode()), entries) for key, entries in reply]
+        for stream, entries in batches:
+            if entries and (last := entries[-1][0]) is not None:
+                self._read_to[stream] = _entry_id(last)
+        await self._handle(batches, counted=False)
+        return True
+
+    async def _drained(self) -> bool:
+        """One step of a drain: whether every entry there at its start has been read."""
+        assert self._drain_to is not None
+        if not self._drain_to:  # the drain's first step: where each stream ends now
+            for stream in self._streams:
+                newest = await self._redis.xrevrange(stream, count=1)
+                self._drain_to[stream] = _entry_id(newest[0][0] or b"0-0") if newest else (0, 0)
+        if all(self._read_to.get(s, (0, 0)) >= end for s, end in self._drain_to.items()):
+            return True
+        return not await self._read_new(block=False)
 
     # --- one batch --------------------------------------------------------------------------
 
@@ -283,9 +324,13 @@ class Consumer:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.
             raise failed
-        # The canonical line for one unit of work: a batch, with what it did and how long it took.
-        self._log.info("bus.batch", streams=[b[0] for b in batches], handled=handled, dead=dead_count,
-                       reclaimed=counted, ms=round((time.monotonic() - t0) * 1000, 2))
+        # The canonical line for one unit of work (debug: hundreds a second under load), and a
+        # summary of them at info once a minute.
+        ms = round((time.monotonic() - t0) * 1000, 2)
+        self._log.debug("bus.batch", streams=[b[0] for b in batches], handled=handled, dead=dead_count,
+                        reclaimed=counted, ms=ms)
+        if (line := self._summary.add(handled, dead_count, counted, ms, time.monotonic())) is not None:
+            self._log.info("bus.summary", **line)
 
     async def _handle_one(
         self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,
@@ -344,3 +389,35 @@ class Consumer:
                 )
             replies = cast(list[list[dict[str, Any]]], await pipe.execute())
         return {r[0]["message_id"]: int(r[0]["times_delivered"]) for r in replies if r}
+
+
+def _entry_id(raw: bytes | str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as a pair that orders as Redis orders ids."""
+    ms, _, seq = (raw.decode() if isinstance(raw, bytes) else raw).partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(slots=True)
+class _Summary:
+    """What a consumer's batches did since the last `bus.summary` line."""
+
+    since: float
+    batches: int = 0
+    handled: int = 0
+    dead: int = 0
+    reclaimed: int = 0
+    max_ms: float = 0.0
+
+    def add(self, handled: int, dead: int, reclaimed: bool, ms: float, now: float) -> dict[str, Any] | None:
+        """Count one batch; the summary line's fields once SUMMARY_S have passed (then reset)."""
+        self.batches += 1
+        self.handled += handled
+        self.dead += dead
+        self.reclaimed += reclaimed
+        self.max_ms = max(self.max_ms, ms)
+        if now - self.since < SUMMARY_S:
+            return None
+        line = {"seconds": round(now - self.since, 1), "batches": self.batches, "handled": self.handled,
+                "dead": self.dead, "reclaimed": self.reclaimed, "max_ms": self.max_ms}
+        self.since, self.batches, self.handled, self.dead, self.reclaimed, self.max_ms = now, 0, 0, 0, 0, 0.0
+        return line

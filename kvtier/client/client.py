@@ -137,8 +137,9 @@ class Client(RedisQueries):
         await self._access.close()
         self.quiet.flush()
         await self._remote.aclose()
+        alive = pid_alive(self.desc.get("pid"))  # or our staging drops would wait for no one
         for p in self.pools.values():
-            p.close()
+            p.close(daemon_alive=alive)
         if self._copier is not None:
             self._copier.shutdown(wait=False)  # idle: every copy is waited for by its call
         await self._redis.aclose()
@@ -150,6 +151,12 @@ class Client(RedisQueries):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def prefix_index(self) -> bool:
+        """Whether this node's daemon writes the cluster prefix index that `where` reads
+        ([prefix_index] enabled): without it, `where` cannot name this node."""
+        return bool(self.desc.get("prefix_index"))
 
     def pool(self, name: str) -> ClientPool:
         self._follow_restarts()
@@ -343,6 +350,7 @@ class Client(RedisQueries):
                 raise
         if dropped:
             self.stats.put_dropped += dropped
+            w.count_dropped(dropped)  # where the daemon collects it: the bus may be what failed
             self.quiet.info("client.put_dropped", pool=pool, dropped=dropped,
                             reason="staging full or daemon unreachable")
         return PutResult(len(staged), dropped)

@@ -88,6 +88,7 @@ class ClientPool:
         self.staging: StagingWriter | None = None
         self._users = 0  # calls copying through the mappings right now (see in_use)
         self._closing = False
+        self._daemon_alive = True  # at close: whether a daemon will count what staging holds
         self._bounce: torch.Tensor | None = None  # pinned host block for CUDA destinations, made on first use
 
     # --- lookup and read ---------------------------------------------------------------------
@@ -200,16 +201,19 @@ class ClientPool:
             if self._closing and not self._users:
                 self._close_now()
 
-    def close(self) -> None:
+    def close(self, daemon_alive: bool = True) -> None:
+        """Unmap (once no call copies through the pool). `daemon_alive`: a daemon is there to count
+        drops the staging segment holds and unlink it; without one it is unlinked now."""
         if self._closing:
             return
         self._closing = True
+        self._daemon_alive = daemon_alive
         if not self._users:
             self._close_now()
 
     def _close_now(self) -> None:
         if self.staging is not None:
-            self.staging.close()
+            self.staging.close(leave_uncounted=self._daemon_alive)
             self.staging = None
         for table in self.tables.values():
             table.close()

@@ -97,6 +97,11 @@ class SyncClient:
         """The node id of the daemon this client follows."""
         return self._client.node
 
+    @property
+    def prefix_index(self) -> bool:
+        """Whether the daemon this client follows writes the cluster prefix index ([prefix_index])."""
+        return self._client.prefix_index
+
     def daemon_alive(self) -> bool:
         """Whether the daemon this client follows (the descriptor's pid) is running."""
         self._client._follow_restarts()

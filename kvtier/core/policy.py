@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvtier.core.events import Cause, Copy, Demote, Evict, Promote, Reason, Removed, Store, Stored, Tier
+from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.index import State, TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.residency import LOCAL
@@ -80,10 +80,11 @@ class Placement(Room):
         # Blocks read straight from Redis and not yet brought up: key -> reads, oldest first.
         self._remote_reads: OrderedDict[BlockKey, int] = OrderedDict()
         self._spill = SpillCopies(pool)  # heads of spilled puts, copied to Redis once stored
+        self._now = 0.0  # the time of the latest decision (every one passes it in)
 
     # --- decisions -----------------------------------------------------------------------------
 
-    def admit(self, keys: Sequence[BlockKey], now: float) -> list[Tier | None]:
+    def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None) -> list[Tier | None]:
         """Where each new block from a client goes, head first: the highest local tier with room
         (counting blocks already on their way in), then, for a chain that does not fit, a slot
         the worker frees by dropping a colder chain's clean tail block, else straight to Redis
@@ -102,22 +103,23 @@ class Placement(Room):
                 slots += [t] * self._clean_spares(t, len(fresh) - len(slots))
         place = dict(zip(fresh, slots))
         out: list[Tier | None] = []
-        for key in keys:
+        for key in keys:  # a chain: each block's parent is the one before it (the first's: `parent`)
             if key not in fresh:
                 out.append(None)  # here already, on its way, or a duplicate within this put
-                continue
-            del fresh[key]
-            tier = place.get(key, Tier.REDIS)
-            if tier in self._incoming:
-                self._incoming[tier][key] = now + self.knobs.transfer_timeout_s
-            out.append(tier)
+            else:
+                del fresh[key]
+                tier = place.get(key, Tier.REDIS)
+                if tier in self._incoming:
+                    self._incoming[tier].add(key, parent, now + self.knobs.transfer_timeout_s)
+                out.append(tier)
+            parent = key
         return out
 
     def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float
                ) -> tuple[list[Tier | None], list[Command]]:
         """`admit`, and the Redis copies a put that spills calls for (core/spill.py): the copies
         of its local ancestors go now, those of its own local head once they are stored."""
-        tiers = self.admit(keys, now)
+        tiers = self.admit(keys, now, parent)
         if (self.knobs.redis_write is RedisWrite.WRITE_THROUGH or self.knobs.redis_admit_after_hits
                 or Tier.REDIS not in tiers):
             return tiers, []
@@ -134,7 +136,7 @@ class Placement(Room):
             if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
                     and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
-                self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
+                self._incoming[Tier.GPU].add(key, c.parent, now + self.knobs.transfer_timeout_s)
             if (copy := copy_on_read(self, self.knobs, self.pool, key, g, c)) is not None:
                 out.append(copy)
         return out
@@ -171,11 +173,11 @@ class Placement(Room):
                             self._wanted[key] = (parent, expiry)
                     else:
                         out.append(Promote(self.pool, key, parent, Tier.REDIS, dst, -1, 0))
-                        self._incoming[dst][key] = now + self.knobs.transfer_timeout_s
+                        self._incoming[dst].add(key, parent, now + self.knobs.transfer_timeout_s)
             elif (to_gpu and g is None and c is not None and c.state is State.READY
                   and self.room(Tier.GPU) > 0 and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, parent, Tier.CPU, Tier.GPU, c.slot, 0))
-                self._incoming[Tier.GPU][key] = now + self.knobs.transfer_timeout_s
+                self._incoming[Tier.GPU].add(key, parent, now + self.knobs.transfer_timeout_s)
             else:
                 cpu.touch(key)
             if len(self._leases) < self._lease_cap:
@@ -209,7 +211,7 @@ class Placement(Room):
                     ready, spares = (True, spares - 1) if spares > 0 else (False, spares)
                 if ready:
                     out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
-                    self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
+                    self._incoming[Tier.CPU].add(key, parent, now + self.knobs.transfer_timeout_s)
                 else:  # not read often enough yet, or no room now: the next read asks again
                     self._remote_reads[key] = reads
                     while len(self._remote_reads) > cap:
@@ -228,13 +230,19 @@ class Placement(Room):
         block, drop it up here."""
         cause = fact.cause  # a Removed of any cause but EVICT is that command's failure
         if fact.tier in self._incoming and cause in (Cause.STORE, Cause.PROMOTE, Cause.DEMOTE):
-            self._incoming[fact.tier].pop(fact.key, None)
+            self._incoming[fact.tier].pop(fact.key)
         spill = None
+        until = self._now + self.knobs.transfer_timeout_s  # facts carry no time: the latest decision's
         if fact.tier in LOCAL and cause == Cause.STORE:
             if isinstance(fact, Stored):
-                spill = self._spill.stored(self, fact.key, fact.tier)
+                spill = self._spill.stored(self, fact.key, until)
             else:
                 self._spill.forget(fact.key)
+        elif fact.tier == Tier.REDIS and cause == Cause.COPY:
+            if isinstance(fact, Removed) and isinstance(fact.why, Failure):
+                spill = self._spill.copy_failed(self, fact.key, fact.why, until)
+            else:
+                self._spill.copied(fact.key)
         if fact.tier != Tier.GPU and cause == Cause.DEMOTE:
             src = self._demoting.pop((fact.tier, fact.key), None)
             if src is None:
@@ -251,7 +259,7 @@ class Placement(Room):
                 # and this copy would leave the node) and the copy below is merely a spare.
                 if e is None or not e.leaving:
                     return []
-                if (self.tiers[src].children(fact.key) or self.strands_children(src, fact.key, fact.tier)
+                if (self.children(src, fact.key) or self.strands_children(src, fact.key, fact.tier)
                         or e.pins > 1):
                     self._unmark(src, fact.key)
                     return []
@@ -283,7 +291,7 @@ class Placement(Room):
         for c in cmds:
             dst = c.tier if isinstance(c, (Store, Evict)) else c.dst
             if dst in self._incoming and not isinstance(c, (Evict, Copy)):
-                self._incoming[dst].pop(c.key, None)
+                self._incoming[dst].pop(c.key)
             if isinstance(c, (Demote, Evict)):
                 self._unmark(c.src if isinstance(c, Demote) else c.tier, c.key)
 
@@ -309,18 +317,18 @@ class Placement(Room):
             if any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
                 continue
             out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
-            self._incoming[Tier.CPU][key] = now + self.knobs.transfer_timeout_s
+            self._incoming[Tier.CPU].add(key, parent, now + self.knobs.transfer_timeout_s)
         return out
 
     def _expire(self, now: float) -> None:
+        self._now = max(self._now, now)
         self._spill.expire(now)
         for key in [k for k, until in self._leases.items() if until <= now]:
             del self._leases[key]
         for key in [k for k, (_, until) in self._wanted.items() if until <= now]:
             del self._wanted[key]
         for pending in self._incoming.values():
-            for key in [k for k, until in pending.items() if until <= now]:
-                del pending[key]
+            pending.expire(now)
         for t, key in [tk for tk, until in self._leaving.items() if until <= now]:
             self._unmark(t, key)
 
@@ -346,8 +354,8 @@ class Placement(Room):
         for key in list(idx.candidates()):
             if excess <= 0:
                 break
-            if key in self._leases:
-                continue
+            if key in self._leases or self._incoming[t].kids(key):
+                continue  # leased; or a child is on its way into this tier (tail first)
             e = idx.get(key)
             assert e is not None
             dst = lower
@@ -365,7 +373,7 @@ class Placement(Room):
                 out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))
                 self._demoting[(dst, key)] = t
                 if dst in self._incoming:
-                    self._incoming[dst][key] = give_up
+                    self._incoming[dst].add(key, e.parent, give_up)
             idx.mark_leaving(key)  # readable until the worker acts, never picked twice
             self._leaving[(t, key)] = give_up
             excess -= 1

@@ -21,13 +21,56 @@ from kvtier.keys import BlockKey
 SPARE_WINDOW = 4096
 
 
+class InFlight:
+    """Blocks commanded into one local tier whose outcome fact has not come back, with their
+    give-up times and parents. Counting them keeps a burst of puts from over-filling a tier
+    before its worker catches up; their parents keep a chain's head from leaving the node while
+    its tail is still on its way into the other tier (an index counts only visible children)."""
+
+    def __init__(self) -> None:
+        self._until: dict[BlockKey, float] = {}
+        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._kids: dict[BlockKey, int] = {}
+
+    def add(self, key: BlockKey, parent: BlockKey | None, until: float) -> None:
+        self.pop(key)
+        self._until[key], self._parent[key] = until, parent
+        if parent is not None:
+            self._kids[parent] = self._kids.get(parent, 0) + 1
+
+    def pop(self, key: BlockKey) -> None:
+        if self._until.pop(key, None) is None:
+            return
+        parent = self._parent.pop(key)
+        if parent is not None:
+            n = self._kids[parent] - 1
+            if n:
+                self._kids[parent] = n
+            else:
+                del self._kids[parent]
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, until in self._until.items() if until <= now]:
+            self.pop(key)
+
+    def kids(self, parent: BlockKey) -> int:
+        """How many blocks on their way in hang off `parent`."""
+        return self._kids.get(parent, 0)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._until
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(self._until)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
 class Room(Residency):
     def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
         super().__init__(tiers)
-        # Blocks commanded into a local tier whose outcome fact has not come back: key -> give-up
-        # time. Counting them keeps a burst of puts from over-filling a tier before its worker
-        # catches up.
-        self._incoming: dict[Tier, dict[BlockKey, float]] = {t: {} for t in LOCAL}
+        self._incoming: dict[Tier, InFlight] = {t: InFlight() for t in LOCAL}
         self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
 
     def incoming(self, t: Tier) -> int:
@@ -82,11 +125,16 @@ class Room(Residency):
                     leaves.append(parent)
         return max(0, found - (need - want))
 
+    def children(self, t: Tier, key: BlockKey) -> int:
+        """Children of `key` in local tier `t`: visible there, or on their way in."""
+        return self.tiers[t].children(key) + self._incoming[t].kids(key)
+
     def strands_children(self, t: Tier, key: BlockKey, dst: Tier | None = None) -> bool:
         """Whether `key` leaving local tier `t` (for `dst`) would take it off the node while a
-        child of it stays resident in the other local tier: every lookup and read of that prefix
-        would then stop short of the cached tail. Leaving cpu means leaving the node (its gpu
-        children keep it); leaving gpu does when cpu does not hold it and it is not going there."""
+        child of it stays in the other local tier (resident, or on its way in): every lookup and
+        read of that prefix would then stop short of the cached tail. Leaving cpu means leaving
+        the node (its gpu children keep it); leaving gpu does when cpu does not hold it and it is
+        not going there."""
         if t == Tier.CPU:
-            return self.tiers[Tier.GPU].children(key) > 0
-        return dst != Tier.CPU and key not in self.tiers[Tier.CPU] and self.tiers[Tier.CPU].children(key) > 0
+            return self.children(Tier.GPU, key) > 0
+        return dst != Tier.CPU and key not in self.tiers[Tier.CPU] and self.children(Tier.CPU, key) > 0

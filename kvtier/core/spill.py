@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.core.events import Copy, Tier
+from kvtier.core.events import Copy, Failure, Tier
 from kvtier.core.residency import LOCAL, Residency
 from kvtier.keys import BlockKey
 
@@ -31,6 +31,9 @@ class SpillCopies:
     def __init__(self, pool: str) -> None:
         self.pool = pool
         self._on_store: dict[BlockKey, float] = {}  # stored by a spilled put -> give-up time
+        # Copies sent -> give-up time. A copy names the tier it reads from, which may shed the
+        # block first (gpu demotes it to cpu): such a copy is redone from where the block is now.
+        self._sent: dict[BlockKey, float] = {}
 
     def spilled(self, res: Residency, keys: Sequence[BlockKey], tiers: Sequence[Tier | None],
                 parent: BlockKey | None, until: float) -> list[Copy]:
@@ -41,34 +44,47 @@ class SpillCopies:
         for key, tier in zip(keys, tiers):
             if tier in LOCAL:
                 self._on_store[key] = until
-            elif tier is None and (c := self._copy_now(res, key)) is not None:
+            elif tier is None and (c := self._copy_now(res, key, until)) is not None:
                 out.append(c)
         seen = 0
-        while parent is not None and seen < MAX_ANCESTORS and (c := self._copy_now(res, parent)) is not None:
+        while parent is not None and seen < MAX_ANCESTORS and (c := self._copy_now(res, parent, until)) is not None:
             out.append(c)
             parent, seen = c.parent, seen + 1
         return out
 
-    def _copy_now(self, res: Residency, key: BlockKey) -> Copy | None:
+    def _copy_now(self, res: Residency, key: BlockKey, until: float) -> Copy | None:
+        """A copy of `key` from the local tier that holds it now, unless Redis holds it."""
         if key in res.tiers[Tier.REDIS] or (found := res.ready_in(key)) is None:
             return None
         src, e = found
+        self._sent[key] = until
         return Copy(self.pool, key, e.parent, src, Tier.REDIS)
 
-    def stored(self, res: Residency, key: BlockKey, tier: Tier) -> Copy | None:
-        """A block stored in local `tier`: its copy, if a spilled put brought it."""
-        if self._on_store.pop(key, None) is None or key in res.tiers[Tier.REDIS]:
+    def stored(self, res: Residency, key: BlockKey, until: float) -> Copy | None:
+        """A block stored locally: its copy, if a spilled put brought it."""
+        if self._on_store.pop(key, None) is None:
             return None
-        e = res.tiers[tier].get(key)
-        return None if e is None else Copy(self.pool, key, e.parent, tier, Tier.REDIS)
+        return self._copy_now(res, key, until)
+
+    def copy_failed(self, res: Residency, key: BlockKey, why: Failure, until: float) -> Copy | None:
+        """A copy found its source gone (the block moved between local tiers meanwhile): redo it
+        from where the block is now. Other failures (a Redis error) are not redone at once: the
+        block is written back when the cpu tier sheds it."""
+        if self._sent.pop(key, None) is None or why != Failure.SOURCE_MISS:
+            return None
+        return self._copy_now(res, key, until)
+
+    def copied(self, key: BlockKey) -> None:
+        self._sent.pop(key, None)
 
     def forget(self, key: BlockKey) -> None:
         """Its store failed: nothing to copy."""
         self._on_store.pop(key, None)
 
     def expire(self, now: float) -> None:
-        for key in [k for k, until in self._on_store.items() if until <= now]:
-            del self._on_store[key]
+        for marks in (self._on_store, self._sent):
+            for key in [k for k, until in marks.items() if until <= now]:
+                del marks[key]
 
     def __len__(self) -> int:
-        return len(self._on_store)
+        return len(self._on_store) + len(self._sent)

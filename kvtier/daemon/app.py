@@ -15,12 +15,13 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from kvtier.bus.connect import AsyncRedis, check_reachable, is_cluster, make_blocks_redis, make_redis, resolve_url
 from kvtier.bus.consumer import Consumer, Delivery
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.bus.streams import StreamNames
 from kvtier.config import Config, redact_url
@@ -32,7 +33,7 @@ from kvtier.daemon.engine_ingest import EngineIngest, parse_engines
 from kvtier.daemon.kv_event_publisher import KvEventPublisher, RouterEvents
 from kvtier.daemon.looplag import LoopLag
 from kvtier.daemon.metrics import MetricsServer
-from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, shm_gid
+from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, runtime_dir_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.daemon.population import ArenaPopulation, default_populate_threads
 from kvtier.daemon.prefix_index import PrefixIndexWriter
@@ -40,6 +41,7 @@ from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.snapshot import pool_snapshot
+from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads
 from kvtier.runtime import FORMAT_VERSION, STATS, write_json_atomic
@@ -48,6 +50,7 @@ from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
 GROUP = "kvtier"
+T = TypeVar("T")
 REAP_INTERVAL_S = 5.0
 
 
@@ -94,19 +97,24 @@ class Daemon:
             stack.enter_context(node_lock(cfg.node.id))
             stack.callback(self.log.info, "daemon.stopped")  # the last line of any teardown
             ensure_runtime_dir(self.runtime_dir)
+            stack.enter_context(runtime_dir_lock(self.runtime_dir, cfg.node.id))
             gid = shm_gid(cfg.node.shm_group)
             url = cfg.redis.url
             if not url:
                 self.embedded = EmbeddedRedis(cfg.embedded_redis, self.runtime_dir, self.log)
                 stack.push_async_callback(self.embedded.stop)  # before start: a half-started server too
                 url = await self.embedded.start()
-            url = await self._resolve(url)
-            bus_url = await self._resolve(cfg.redis.bus_url) if cfg.redis.bus_url else url
+            url_key = "[redis] url" if cfg.redis.url else "the embedded redis-server"
+            url = await self._reach(url_key, url, self._resolve(url))
+            bus_key = "[redis] bus_url" if cfg.redis.bus_url else url_key
+            bus_url = await self._reach(bus_key, cfg.redis.bus_url, self._resolve(cfg.redis.bus_url)) \
+                if cfg.redis.bus_url else url
             bus = self._client(stack, bus_url, make_redis)
             # A cluster's block I/O gets its own client (bus/connect.py: no cluster-level retry).
             blocks = bus if bus_url == url and not is_cluster(bus) else self._client(stack, url, make_blocks_redis)
-            for c in [bus] if blocks is bus else [bus, blocks]:
-                await check_reachable(c)
+            await self._reach(bus_key, bus_url, check_reachable(bus))
+            if blocks is not bus:
+                await self._reach(url_key, url, check_reachable(blocks))
             staging = StagingSegments(cfg.node.id, self.log)
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
@@ -124,7 +132,7 @@ class Daemon:
                 self.prefix_index.refresh()  # what a warm restart kept, listed again at once
                 if cfg.ingest.engines.strip():
                     if cfg.ingest.pool not in self.pools:
-                        raise ValueError(f"[ingest] pool {cfg.ingest.pool!r} is not one of this daemon's pools "
+                        raise KvtierError(f"[ingest] pool {cfg.ingest.pool!r} is not one of this daemon's pools "
                                          f"({', '.join(sorted(self.pools))})")
                     self.ingest = EngineIngest(parse_engines(cfg.ingest.engines), cfg.node.id,
                                                self.pools[cfg.ingest.pool], cfg.prefix_index.ttl_s,
@@ -133,11 +141,15 @@ class Daemon:
                     self.ingest.start()
             self._build_consumers(bus, staging)
             if cfg.metrics.listen:
-                self.metrics = metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
+                try:
+                    self.metrics = metrics = MetricsServer(cfg.metrics.listen, self.snapshot)
+                except OSError as e:
+                    raise KvtierError(f"[metrics] listen = {cfg.metrics.listen!r}: cannot serve there: {e}") from None
                 stack.push_async_callback(lambda: bounded(self.log, "metrics", asyncio.to_thread(metrics.close)))
                 self.log.info("daemon.metrics", url=metrics.url)
             stack.enter_context(descriptor(self.runtime_dir, self._descriptor(url, bus_url, gid)))
             stack.callback(self._write_stats)  # the final stats, once the chores have stopped
+            stack.callback(lambda: staging.reap(self._client_drops))  # ... with the clients' last drops
             chores = Chores(self.log)
             stack.push_async_callback(chores.aclose)
             self._start_chores(chores, bus, staging)
@@ -157,13 +169,29 @@ class Daemon:
             await stop.wait()
             self.notifier.notify("STOPPING=1")
             self.log.info("daemon.stopping", grace_s=grace)
-            for c in self.consumers:
-                c.stop()  # finish and ack the batch in hand, take no more
-            _done, pending = await asyncio.wait(work, timeout=grace)
-            for t in pending:
+            await self._drain(work, grace)
+            for t in [t for t in work if not t.done()]:
                 t.cancel(msg="shutdown grace period expired")
             for t in watch:
                 t.cancel(msg="daemon stopping")
+
+    async def _drain(self, work: list[asyncio.Task[None]], grace: float) -> None:
+        """Within `grace`: the coordinator handles what clients sent before the stop (their puts
+        become store commands), then the tier workers carry out every command sent so far, so
+        that a block a client was told is staged is stored before the daemon exits. What clients
+        send after the stop began is left in the streams for the next start."""
+        deadline = time.monotonic() + grace
+        coordinator, workers = self.consumers[0], self.consumers[1:]
+        coordinator.drain()
+        await asyncio.wait(work[:1], timeout=grace)
+        for c in workers:
+            c.drain()
+        left = [t for t in work if not t.done()]
+        if left:
+            await asyncio.wait(left, timeout=max(0.0, deadline - time.monotonic()))
+        if any(not t.done() for t in work):
+            self.log.warning("daemon.drain_incomplete", grace_s=grace,
+                             note="work still queued at the end of the grace period is redone by the next start")
 
     async def shutdown(self) -> None:
         """Release everything startup() acquired, in reverse order. Idempotent."""
@@ -176,6 +204,14 @@ class Daemon:
         client = make(url, socket_timeout=r.socket_timeout_s, connect_timeout=r.connect_timeout_s, retries=r.retries)
         stack.push_async_callback(lambda: bounded(self.log, "redis", client.aclose()))
         return client
+
+    async def _reach(self, setting: str, url: str, ask: Awaitable[T]) -> T:
+        """`ask` Redis at `url`; a Redis that cannot be reached or refuses us is an expected start
+        error, which names the setting (one log line, no traceback: cli.py)."""
+        try:
+            return await ask
+        except (*REDIS_ERRORS, OSError) as e:
+            raise KvtierError(f"cannot use Redis at {setting} = {redact_url(url)!r}: {type(e).__name__}: {e}") from None
 
     async def _resolve(self, url: str) -> str:
         """A redis:// URL naming a cluster node becomes the cluster's URL (bus/connect.py)."""
@@ -226,7 +262,7 @@ class Daemon:
                 pop = self.populations[name] = ArenaPopulation(rt, threads, self.log, self._restored)
                 chores.start(f"arena-{name}", pop.run())
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
-        chores.every("reaper", REAP_INTERVAL_S, staging.reap)
+        chores.every("reaper", REAP_INTERVAL_S, lambda: staging.reap(self._client_drops))
         chores.start("loop-lag", self.loop_lag.run())
         if self.prefix_index is not None:
             chores.start("prefix-index", self.prefix_index.run())
@@ -262,8 +298,16 @@ class Daemon:
                       "connections": self.cfg.redis.connections},
             "streams": {"client": self.names.client, "facts": self.names.facts, "dlq": self.names.dlq},
             "shm_gid": gid,
+            "prefix_index": self.cfg.prefix_index.enabled,  # whether this daemon writes `where`'s index
             "pools": {name: rt.descriptor() for name, rt in self.pools.items()},
         }
+
+    def _client_drops(self, fingerprint: bytes, blocks: int) -> None:
+        """Blocks a client dropped before handing them over (its staging segment counts them)."""
+        for rt in self.pools.values():
+            if rt.layout.fingerprint == fingerprint:
+                rt.counters.client_puts_dropped += blocks
+                return
 
     async def _watch_embedded(self, embedded: EmbeddedRedis) -> None:
         code = await embedded.wait()
@@ -279,6 +323,7 @@ class Daemon:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready_s": self.ready_s,
             "written_at": time.time(),
+            "stats_interval_s": self.cfg.daemon.stats_interval_s,
             "bus": self.bus_stats.as_dict(),
             "loop": self.loop_lag.as_dict(),
             "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},

@@ -30,6 +30,7 @@ import zmq
 from kvtier.config import EventsConfig
 from kvtier.core.events import Tier
 from kvtier.core.kv_events import all_blocks_cleared, block_stored, event_batch, facts_to_events, medium_of
+from kvtier.errors import KvtierError
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = b"stop"
@@ -65,7 +66,7 @@ class KvEventPublisher:
                 self._tighten(cfg.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise OSError(f"[events] cannot bind {e}: is another daemon or engine publishing there?") from e
+            raise KvtierError(f"[events] cannot bind {e}: is another daemon or engine publishing there?") from e
 
     @staticmethod
     def _tighten(endpoint: str) -> None:

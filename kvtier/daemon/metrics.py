@@ -13,8 +13,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_tier_bytes_in_total, kvtier_tier_failed_transfers_total, kvtier_tier_refused_evictions_total,
   kvtier_tier_stale_commands_total, kvtier_tier_transfer_seconds (histogram)
   kvtier_pool_hits_total, kvtier_pool_misses_total, kvtier_pool_puts_total,
-  kvtier_pool_puts_dropped_total, kvtier_redis_errors_total, kvtier_redis_corrupt_total,
-  kvtier_resync_missing_total, kvtier_resync_copies_total
+  kvtier_pool_puts_dropped_total, kvtier_pool_client_puts_dropped_total, kvtier_redis_errors_total,
+  kvtier_redis_corrupt_total, kvtier_resync_missing_total, kvtier_resync_copies_total
   kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
   redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
   kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
@@ -51,6 +51,8 @@ _POOL_COUNTERS = {
     "remote_reads": ("kvtier_pool_remote_reads", "Blocks clients read straight from Redis (read-through)"),
     "puts": ("kvtier_pool_puts", "Blocks clients handed over"),
     "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
+    "client_puts_dropped": ("kvtier_pool_client_puts_dropped",
+                            "Blocks clients could not hand over (staging full, the bus down), as they count them"),
     "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),
     "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
     "redis_redirects": ("kvtier_redis_redirects", "Block commands a Redis Cluster redirected (MOVED, ASK, TRYAGAIN)"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import grp
 import os
 import socket
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
-from kvtier.runtime import DESCRIPTOR, write_json_atomic
+from kvtier.runtime import DESCRIPTOR, LOCK, read_json, write_json_atomic
 
 
 def ensure_runtime_dir(path: Path) -> None:
@@ -48,11 +50,40 @@ def node_lock(node: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def runtime_dir_lock(path: Path, node: str) -> Iterator[None]:
+    """One daemon per runtime directory, whatever its node id: two would overwrite each other's
+    descriptor and stats, share one embedded Redis socket, and the first to stop would delete the
+    descriptor the other's clients need. An flock on `daemon.lock`, held for the daemon's life
+    and released by the kernel when it dies; the file names the holder, for the error. The
+    file is left in place: unlinking a lock file races with the next daemon taking it."""
+    lock = path / LOCK
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            raise KvtierError(f"another kvtier daemon ({holder}) holds the runtime directory {path}; give each daemon "
+                              f"its own [node] runtime_dir (KVTIER__NODE__RUNTIME_DIR)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, node {node}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def descriptor(runtime_dir: Path, desc: dict[str, Any]) -> Iterator[Path]:
-    """Published for clients while the block runs; withdrawn first thing at the stop."""
+    """Published for clients while the block runs; withdrawn first thing at the stop, and only
+    if it is still ours (never another daemon's descriptor)."""
     path = runtime_dir / DESCRIPTOR
     try:
         write_json_atomic(path, desc)
         yield path
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError, ValueError):
+            now = read_json(path)
+            if (now.get("pid"), now.get("epoch")) == (desc["pid"], desc["epoch"]):
+                path.unlink()

@@ -120,7 +120,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     what = "arena.reattached" if arena.warm else "arena.created"
     log.info(what, segment=table.seg.name, blocks=cfg.cpu_blocks, block_bytes=bb, bytes=table.seg.size,
              backing=arena.backing.describe, numa_node=fill.numa_node, in_service=indices[Tier.CPU].capacity,
-             kept=fill.kept, discarded=fill.discarded)
+             kept=fill.kept, discarded=fill.discarded, torn=fill.torn)
     return PoolRuntime(
         name=cfg.name,
         layout=layout,

@@ -86,6 +86,7 @@ class ArenaPopulation:
             secs = (fill.finished or 0) - fill.started
             self.log.info("arena.populated", bytes=total, seconds=round(secs, 3),
                           s_per_gib=round(secs / (total / (1 << 30)), 3), kept=fill.kept, discarded=fill.discarded,
+                          torn=fill.torn,
                           in_service=self.rt.cpu.index.capacity)
         finally:
             # A stop mid-population: the chunks running now finish first (a blocking wait of at

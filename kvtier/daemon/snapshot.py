@@ -28,6 +28,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "block_bytes": rt.layout.block_bytes,
         "puts": rt.counters.puts,
         "puts_dropped": rt.counters.puts_dropped,
+        "client_puts_dropped": rt.counters.client_puts_dropped,
         "hits": rt.counters.hits,
         "misses": rt.counters.misses,
         "remote_reads": rt.counters.remote_reads,

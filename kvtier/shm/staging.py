@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import stat
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,16 @@ if TYPE_CHECKING:
 _FLAGS_OFF = 4
 # A staged block the daemon has not taken within this long is given up (see StagingWriter._free_slot).
 STAGING_RECLAIM_S = 10.0
+# The client's own counters, in the staging segment's header page past the segment header: what
+# never reaches the daemon over the bus (blocks dropped while the bus is down, or staging full).
+# The client writes `dropped` and `closed`; the daemon writes `collected`, what it has counted.
+# So a restarted daemon counts only what is new, and a client that closes with uncounted drops
+# leaves its segment for the daemon to count and unlink (StagingSegments.collect).
+CLIENT_COUNTS = struct.Struct("<QQQ")  # dropped, collected, closed
+CLIENT_COUNTS_OFF = 2048
+_COLLECTED_OFF = CLIENT_COUNTS_OFF + 8
+# A daemon adds at most this much per segment and collection: the counts are a client's word.
+MAX_COUNT_STEP = 1 << 32
 
 
 def staging_prefix(node: str) -> str:
@@ -142,21 +153,37 @@ class StagingWriter:
                 return slot
         return None
 
-    def close(self) -> None:
-        """Unmap and unlink: the daemon forgets a segment whose file is gone (StagingSegments.reap)."""
-        self.table.close()
-        self.seg.unlink()
+    def count_dropped(self, n: int) -> None:
+        """`n` more blocks of this client's puts were dropped (never handed over): counted where
+        the daemon reads them, since the bus may be what failed."""
+        buf = self.seg.buf
+        dropped, collected, closed = CLIENT_COUNTS.unpack_from(buf, CLIENT_COUNTS_OFF)
+        CLIENT_COUNTS.pack_into(buf, CLIENT_COUNTS_OFF, dropped + n, collected, closed)
+
+    def close(self, leave_uncounted: bool = True) -> None:
+        """Unmap and unlink: the daemon forgets a segment whose file is gone (StagingSegments.reap).
+        With drops the daemon has not counted yet (and `leave_uncounted`: a daemon is there), the
+        segment is marked closed and left for the daemon to count and unlink."""
+        dropped, collected, _ = CLIENT_COUNTS.unpack_from(self.seg.buf, CLIENT_COUNTS_OFF)
+        if dropped != collected and leave_uncounted:
+            CLIENT_COUNTS.pack_into(self.seg.buf, CLIENT_COUNTS_OFF, dropped, collected, 1)
+            self.table.close()
+        else:
+            self.table.close()
+            self.seg.unlink()
 
 
 class StagingFile:
     """The daemon's handle on one client's staging segment, opened read-write as a plain file
     (never mapped): it reads staged blocks and releases their slots."""
 
-    def __init__(self, name: str, fd: int, n: int, block_bytes: int, stride: int, payload_off: int) -> None:
+    def __init__(self, name: str, fd: int, n: int, block_bytes: int, stride: int, payload_off: int,
+                 fingerprint: bytes = b"") -> None:
         self.name = name
         self.fd = fd
         self.n = n
         self.block_bytes = block_bytes
+        self.fingerprint = fingerprint  # the pool layout the client staged for
         self._stride = stride
         self._payload_off = payload_off
 
@@ -171,11 +198,11 @@ class StagingFile:
             if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o002:
                 raise SegmentError(f"staging segment {name} is not a private regular file")
             head = os.pread(fd, HEADER_OFF, 0)
-            n, bb, stride, payload_off, _fp = parse_segment_header(head, st.st_size, name, Kind.STAGING, None, None)
+            n, bb, stride, payload_off, fp = parse_segment_header(head, st.st_size, name, Kind.STAGING, None, None)
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, fd, n, bb, stride, payload_off)
+        return cls(name, fd, n, bb, stride, payload_off, fp)
 
     def header(self, slot: int) -> SlotHeader | None:
         if not 0 <= slot < self.n:
@@ -202,6 +229,18 @@ class StagingFile:
             return False
         os.pwrite(self.fd, Flags.EMPTY.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + _FLAGS_OFF)
         return True
+
+    def collect_drops(self) -> tuple[int, bool]:
+        """The client's drops not counted yet (marked counted now), and whether the client has
+        closed the segment. Untrusted: a count that went back counts nothing, and a step is capped."""
+        raw = os.pread(self.fd, CLIENT_COUNTS.size, CLIENT_COUNTS_OFF)
+        if len(raw) != CLIENT_COUNTS.size:
+            return 0, False
+        dropped, collected, closed = CLIENT_COUNTS.unpack(raw)
+        new = min(max(0, dropped - collected), MAX_COUNT_STEP)
+        if new:
+            os.pwrite(self.fd, (collected + new).to_bytes(8, "little"), _COLLECTED_OFF)
+        return new, closed == 1
 
     def close(self) -> None:
         os.close(self.fd)
@@ -235,21 +274,21 @@ class StagingSegments:
             self.log.warning("staging.release_failed", segment=name, slot=slot, error=str(e))
             return False
 
-    def reap(self) -> int:
-        """Unlink staging segments whose client died; forget those their client removed."""
+    def reap(self, on_drops: Callable[[bytes, int], None] | None = None) -> int:
+        """Count what each client dropped (`on_drops(fingerprint, blocks)`), unlink staging
+        segments whose client died or closed them with drops to count, and forget those their
+        client removed."""
         try:
-            present = {p.name for p in SHM_DIR.iterdir() if p.name.startswith(self._prefix)}
+            present = {p.name for p in SHM_DIR.iterdir() if self._name_re.fullmatch(p.name)}
         except OSError:
             return 0
         for name in [n for n in self._open if n not in present]:  # the client closed it
             self._open.pop(name).close()
         reaped = 0
         for name in present:
-            try:
-                pid = int(name[len(self._prefix):].split(".")[0])
-            except ValueError:
-                continue
-            if pid_alive(pid):
+            pid = int(name[len(self._prefix):].split(".")[0])
+            closed = self._collect(name, on_drops)
+            if pid_alive(pid) and not closed:
                 continue
             f = self._open.pop(name, None)
             if f is not None:
@@ -259,8 +298,21 @@ class StagingSegments:
             except FileNotFoundError:
                 continue
             reaped += 1
-            self.log.info("staging.reaped", segment=name, pid=pid)
+            self.log.info("staging.reaped", segment=name, pid=pid, why="closed" if closed else "client gone")
         return reaped
+
+    def _collect(self, name: str, on_drops: Callable[[bytes, int], None] | None) -> bool:
+        """Count a segment's new drops; whether its client closed it. A segment that cannot be
+        opened or validated is left alone (it may be half created)."""
+        try:
+            f = self._open.get(name) or StagingFile.open(name)
+            self._open[name] = f
+            n, closed = f.collect_drops()
+        except (SegmentError, OSError):
+            return False
+        if n and on_drops is not None:
+            on_drops(f.fingerprint, n)
+        return closed
 
     def close(self) -> None:
         for f in self._open.values():

@@ -42,6 +42,7 @@ class Prepared:
     chunk: Chunk
     kept: list[tuple[int, bytes, bytes | None]]  # warm restart: (slot, key, parent) verified
     wipe: list[int]  # written slots that are torn, corrupt or not blocks
+    torn: int = 0  # of those, caught mid-write (odd gen): the daemon died writing them
 
 
 def plan_chunks(n: int, stride: int, payload_off: int, chunk_bytes: int,
@@ -86,7 +87,8 @@ class ArenaFill:
     finished: float | None = None
     populated_bytes: int = 0
     kept: int = 0
-    discarded: int = 0
+    discarded: int = 0  # slots that held something other than a whole, verified block: torn + corrupt
+    torn: int = 0  # of those, caught mid-write (the daemon was killed writing them)
     state: str = "populating"  # populating | populated | failed
     error: str = ""
 
@@ -108,10 +110,13 @@ class ArenaFill:
         lo, hi = chunk.slots.start, chunk.slots.stop
         h = t.headers(lo, hi).copy()  # a snapshot: nobody writes these slots until apply
         written = (h["magic"] != 0) | (h["gen"] != 0)
-        whole = ((h["magic"] == SLOT_MAGIC) & (h["gen"] % 2 == 0) & (h["flags"] == Flags.VALID)
-                 & (h["length"] == t.block_bytes))
+        even = h["gen"] % 2 == 0
+        whole = (h["magic"] == SLOT_MAGIC) & even & (h["flags"] == Flags.VALID) & (h["length"] == t.block_bytes)
+        # A slot freed by an eviction: a header with no block. Not a loss, nothing to wipe.
+        freed = (h["magic"] == SLOT_MAGIC) & even & (h["flags"] == Flags.EMPTY)
         kept: list[tuple[int, bytes, bytes | None]] = []
-        wipe = [lo + int(i) for i in np.flatnonzero(written & ~whole)]
+        wipe = [lo + int(i) for i in np.flatnonzero(written & ~whole & ~freed)]
+        torn = int(np.count_nonzero(written & ~even))
         keys, parents = h["key"].tobytes(), h["parent"].tobytes()
         for i in np.flatnonzero(whole):
             slot = lo + int(i)
@@ -120,7 +125,7 @@ class ArenaFill:
                 continue
             parent = parents[32 * i : 32 * i + 32]
             kept.append((slot, keys[32 * i : 32 * i + 32], None if parent == EMPTY_KEY else parent))
-        return Prepared(chunk, kept, wipe)
+        return Prepared(chunk, kept, wipe, torn)
 
     def apply(self, p: Prepared, residency: Residency, batch: int = 1024) -> Iterator[list[Entry]]:
         """On the event loop: restore what `prepare` verified, `batch` blocks at a time (each
@@ -130,6 +135,7 @@ class ArenaFill:
         for slot in p.wipe:
             table.invalidate(slot)
         self.discarded += len(p.wipe)
+        self.torn += p.torn
         for i in range(0, len(p.kept), batch):
             restored = []
             for slot, key, parent in p.kept[i : i + batch]:
@@ -164,6 +170,7 @@ class ArenaFill:
             "warm": self.warm,
             "kept": self.kept,
             "discarded": self.discarded,
+            "torn": self.torn,
             "backing": self.backing.describe,
             "page_bytes": self.backing.page_bytes,
             "huge_fallback": self.huge_fallback,

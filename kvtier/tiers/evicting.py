@@ -70,7 +70,7 @@ class Evictions:
             if verdict is Verdict.DROP:
                 rt.drop(dst, victim)
                 rt.counters.tiers[self.tier.label].evicted += 1
-                self.log.info("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason=Reason.MAKE_ROOM.value)
+                self.log.debug("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason=Reason.MAKE_ROOM.value)
                 return Removed(rt.name, victim, self.tier, Cause.EVICT, Reason.MAKE_ROOM)
         return None
 

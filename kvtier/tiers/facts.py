@@ -7,6 +7,7 @@ import time
 from structlog.typing import FilteringBoundLogger
 
 from kvtier.core.events import Cause, Copy, Demote, Failure, Promote, Removed, Store, Stored, Tier
+from kvtier.logs import LogThrottle
 from kvtier.tiers.pool import PoolRuntime
 
 Fact = Stored | Removed
@@ -17,6 +18,9 @@ class Facts:
     def __init__(self, tier: Tier, log: FilteringBoundLogger) -> None:
         self.tier = tier
         self.log = log
+        # During an outage every transfer of a batch fails the same way: a line per reason every
+        # few seconds, with a count; `failed` per tier counts every one (metrics).
+        self.quiet = LogThrottle(log)
         self._facts: list[Fact] = []
 
     def report(self, rt: PoolRuntime, fact: Fact | None, t0: float) -> None:
@@ -56,6 +60,7 @@ class Facts:
         rt.counters.tiers[self.tier.label].failed += 1
         if dropped:
             rt.counters.puts_dropped += 1
-        self.log.warning("tier.transfer_failed", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
-                         why=why.value, detail=detail)
+        line = {"pool": rt.name, "op": ev.TYPE, "key": ev.key.hex()[:16], "why": why.value, "detail": detail}
+        self.log.debug("tier.transfer_failed", **line)  # every one, at debug
+        self.quiet.warning("tier.transfer_failed", per=(rt.name, ev.TYPE, why), **line)
         return Removed(rt.name, ev.key, self.tier, Cause(ev.TYPE), why)

@@ -41,6 +41,9 @@ class PoolCounters:
     misses: int = 0  # blocks clients asked for past their hit prefix
     puts: int = 0  # blocks clients handed over
     puts_dropped: int = 0  # of those, dropped for want of room or bad staging
+    # Blocks clients could not hand over at all (staging full, the bus down): counted by the
+    # clients in their staging segments, collected by the staging reaper.
+    client_puts_dropped: int = 0
     remote_reads: int = 0  # blocks clients read straight from Redis (read-through)
     resync_missing: int = 0  # local blocks the re-replication sweep found missing in Redis
     resync_copies: int = 0  # of those, copied to Redis again (write-through)

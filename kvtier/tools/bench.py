@@ -263,6 +263,18 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def idle_note(rows: list[dict], load: float, cores: int) -> str:
+    """What the ratios need: kvtier and its bound share this machine's cores in the same run, so
+    a busy machine (or one with few cores) moves both, and not by the same factor."""
+    missed = sum(r.get("meets") is False for r in rows)
+    note = (f"Each ratio is against a bound measured in the same run, on the same cores: the figures "
+            f"need an otherwise idle machine (load average now {load:.2f} on {cores} cores).")
+    if missed:
+        note += (f" {missed} row(s) marked NO: on a busy or small host, run again when it is idle before "
+                 f"reading them as kvtier's (docs/performance.md has figures from idle runs).")
+    return note
+
+
 def sizes(args, least: int) -> tuple[dict, int, int, int]:
     """The layout, block bytes, block count (`--gib` of them, at least `least`) and repeats."""
     from kvtier.layout import BlockLayout
@@ -276,6 +288,7 @@ def sizes(args, least: int) -> tuple[dict, int, int, int]:
 def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
     """Print the table, write the JSON, and fail the run if any path read wrong bytes."""
     print(table)
+    print(idle_note(out.get("rows", []), os.getloadavg()[0], os.cpu_count() or 1))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
     if not correct:

@@ -4,6 +4,7 @@ that the benchmarks, the demo and the tests share (start, wait for READY, read i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,10 +40,12 @@ class DaemonProcess:
         self.proc: subprocess.Popen | None = None
         self.messages: list[str] = []
         self._sock: socket.socket | None = None
-        self._sock_dir = Path(tempfile.mkdtemp(prefix="kvtier-notify-"))  # short path for sun_path
+        self._sock_dir: Path | None = None  # the notify socket's directory while it is open
 
     def start(self, wait_ready: bool = True, timeout: float = READY_TIMEOUT_S) -> DaemonProcess:
         self.messages = []  # a restart must earn its own READY=1
+        self._close()
+        self._sock_dir = Path(tempfile.mkdtemp(prefix="kvtier-notify-"))  # short path for sun_path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock_path = self._sock_dir / f"n{time.monotonic_ns()}.sock"
         self._sock.bind(str(sock_path))
@@ -136,6 +139,9 @@ class DaemonProcess:
             self._drain(0.05)
             self._sock.close()
             self._sock = None
+        if self._sock_dir is not None:  # no kvtier-notify-* directory outlives its daemon
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
 
     def log_tail(self, n: int = 4000) -> str:
         try:

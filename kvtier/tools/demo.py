@@ -21,6 +21,7 @@ import numpy as np
 
 from kvtier.processes import die_with_parent, stop_processes
 from kvtier.runtime import DESCRIPTOR, STATS, read_json
+from kvtier.status import human_bytes
 from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
 
 READY_TIMEOUT_S = 30.0
@@ -227,7 +228,8 @@ def run_demo(args) -> int:
         "KVTIER__LOG__FORMAT": "json",
     })
     log_path = rdir / "daemon.log"
-    print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path})", flush=True)
+    kept = "" if args.keep else "; removed at exit, --keep keeps it"
+    print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path}{kept})", flush=True)
     # A new session: Ctrl-C reaches the children only through us, in order. Tied: if we are
     # killed outright, they go too.
     daemon = DaemonProcess(Path(args.config) if args.config else None, rdir, env, log_path=log_path,
@@ -250,6 +252,8 @@ def run_demo(args) -> int:
                 preexec_fn=die_with_parent))
         t0 = time.monotonic()
         gone: set[int] = set()
+        started = False  # the clients' first puts have reached the daemon
+        print("kvtier demo: waiting for the clients to start (each imports torch first)", flush=True)
         try:
             while time.monotonic() - t0 < args.duration:
                 time.sleep(1.0)
@@ -263,9 +267,12 @@ def run_demo(args) -> int:
                         code = 1
                         print(f"kvtier demo: client {i} exited early ({_exit_reason(w.returncode)})", flush=True)
                 try:
-                    print(progress_line(read_json(rdir / STATS), t0), flush=True)
+                    stats = read_json(rdir / STATS)
                 except (OSError, ValueError):
-                    pass
+                    continue
+                started = started or any(p["puts"] or p["hits"] or p["misses"] for p in stats["pools"].values())
+                if started:
+                    print(progress_line(stats, t0), flush=True)
         except KeyboardInterrupt:
             print("\nkvtier demo: stopping", flush=True)
     finally:
@@ -313,19 +320,24 @@ def _summary(rdir: Path, n_workers: int) -> int:
     tot = sum_reports(reports)
     print("\n=== kvtier demo summary ===")
     for name, pool in stats["pools"].items():
-        print(f"pool {name}: block {pool['block_bytes']} B, puts {pool['puts']}, dropped {pool['puts_dropped']}, "
-              f"misses {pool['misses']}")
+        print(f"pool {name}: block {human_bytes(pool['block_bytes'])}, puts {pool['puts']}, "
+              f"dropped {pool['puts_dropped'] + pool.get('client_puts_dropped', 0)}, misses {pool['misses']}")
         print(f"  {'tier':<6}{'blocks':>8}{'MiB':>8}{'hits':>8}{'stored':>8}"
               f"{'promoted':>10}{'demoted':>9}{'evicted':>9}{'failed':>8}")
         for tier in ("gpu", "cpu", "redis"):
             t = pool["tiers"][tier]
-            print(f"  {tier:<6}{t['blocks']:>8}{t['bytes'] / 2**20:>8.1f}{t['hits']:>8}{t['stored']:>8}"
+            hits = pool.get("remote_reads", 0) if tier == "redis" else t["hits"]
+            print(f"  {tier:<6}{t['blocks']:>8}{t['bytes'] / 2**20:>8.1f}{hits:>8}{t['stored']:>8}"
                   f"{t['promoted_in']:>10}{t['demoted_in']:>9}{t['evicted']:>9}{t['failed']:>8}")
+        print("  hits: blocks clients read from the tier (redis: read straight through from Redis); failed:\n"
+              "  transfers into the tier that did not complete (no room, a Redis error, a changed staging\n"
+              "  slot), each a miss and never wrong bytes")
     if tot:
-        rate = tot["local_hits"] / max(1, tot["blocks"])
-        print(f"clients: {tot['requests']} requests, {tot['blocks']} blocks wanted, {tot['local_hits']} read from "
-              f"shared memory ({rate:.0%}; gpu {tot['gpu_reads']}, cpu {tot['cpu_reads']}), {tot['redis_hits']} "
-              f"pulled from Redis, {tot['put_staged']} put, {tot['put_dropped']} put dropped")
+        shm = tot["local_hits"] - tot["redis_hits"]
+        print(f"clients: {tot['requests']} requests, {tot['blocks']} blocks wanted, {tot['local_hits']} read "
+              f"({tot['local_hits'] / max(1, tot['blocks']):.0%}): {shm} from shared memory (of the leading runs: gpu "
+              f"{tot['gpu_reads']}, cpu {tot['cpu_reads']}), {tot['redis_hits']} from Redis; {tot['put_staged']} put, "
+              f"{tot['put_dropped']} put dropped")
         print(f"wrong blocks read: {tot['wrong_blocks']}")
     bad = bool(tot.get("wrong_blocks"))
     return 1 if bad or not reports else 0

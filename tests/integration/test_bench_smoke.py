@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.integration
 
 def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    notify_before = {p.name for p in Path(tempfile.gettempdir()).glob("kvtier-notify-*")}
     run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--json", str(out)],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -25,6 +27,11 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
     assert any(p.startswith("get") for p in paths) and any(p.startswith("bus") for p in paths)
     assert all(r["ratio"] is None or r["ratio"] > 0 for r in res["rows"])
     assert "| path | figure | bound (same run) |" in run.stdout
+    assert "need an otherwise idle machine (load average now" in run.stdout  # issue 25: say so in the output
+    missed = sum(r["meets"] is False for r in res["rows"])
+    assert (f"{missed} row(s) marked NO" in run.stdout) == bool(missed)
+    leftovers = {p.name for p in Path(tempfile.gettempdir()).glob("kvtier-notify-*")} - notify_before
+    assert not leftovers, f"the bench left {sorted(leftovers)}"
     import numpy as np
 
     assert np.isfinite(res["memcpy_gbps"]) and res["memcpy_gbps"] > 0

@@ -3,10 +3,12 @@ and Ctrl-C stops everything cleanly."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,11 +58,26 @@ def test_demo_moves_blocks_between_tiers_and_reads_no_wrong_bytes(tmp_path):
     # (client start-up and torch imports included).
     cfg = tmp_path / "small.toml"
     cfg.write_text(SMALL)
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))  # the demo's own temp files (short: socket paths)
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--duration", "12", "--clients", "2",
-                          "--config", str(cfg)], capture_output=True, text=True, timeout=180)
+                          "--config", str(cfg)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "wrong blocks read: 0" in out.stdout
     assert out.stdout.count("t=") >= 3, "progress is printed while it runs"
+    # Issue 25: no all-zero lines while the clients start, the log's removal announced, nothing
+    # left behind, and a summary whose columns and counts say what they count.
+    assert "waiting for the clients to start" in out.stdout
+    first = next(ln for ln in out.stdout.splitlines() if ln.startswith("t="))
+    counts = re.findall(r"(?:gpu|cpu|redis) (\d+)(?:/\d+)? blk|(?:hit|up|down|ev|miss) (\d+)", first)
+    assert counts and any(int(a or b) for a, b in counts), f"an all-zero progress line: {first}"
+    assert "removed at exit, --keep keeps it" in out.stdout
+    left = list(tmp.iterdir())
+    tmp.rmdir() if not left else None
+    assert left == [], "the demo left temporary files (kvtier-notify-*, its runtime dir)"
+    assert "block 32 KiB" in out.stdout and "redis: read straight through from Redis" in out.stdout
+    m = re.search(r"(\d+) read \(\d+%\): (\d+) from shared memory .*?, (\d+) from Redis", out.stdout)
+    assert m and int(m.group(1)) == int(m.group(2)) + int(m.group(3)), out.stdout
     # columns: blocks MiB hits stored promoted demoted evicted failed
     gpu, cpu, rds = (_summary_row(out.stdout, t) for t in ("gpu", "cpu", "redis"))
     assert gpu[3] > 0 and cpu[5] > 0 and rds[5] > 0, "blocks were stored, demoted gpu->cpu and cpu->redis"

@@ -76,6 +76,50 @@ def test_a_second_daemon_with_the_same_node_id_is_refused(daemon_factory, tmp_pa
     assert first.alive and first.stop() == 0
 
 
+def test_a_second_daemon_on_the_same_runtime_directory_is_refused_whatever_its_node_id(daemon_factory, tmp_path,
+                                                                                          redis_url):
+    """Issue 25: a different node id used to start, overwrite kvtier.json and stats.json, and
+    delete the descriptor when it stopped, so new clients of the first daemon got
+    DaemonUnavailable. The runtime directory is locked now; the first daemon is untouched."""
+    from kvtier.client import SyncClient
+    from kvtier.tools.daemon_process import DaemonProcess
+    from tests.support.daemon_proc import write_config
+
+    first = daemon_factory(node="owner")
+    before = (first.runtime_dir / "kvtier.json").read_bytes()
+    cfg = write_config(tmp_path, node=f"intruder-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                       runtime_dir=first.runtime_dir)
+    second = DaemonProcess(cfg, first.runtime_dir)
+    try:
+        second.start(wait_ready=False)
+        wait_until(lambda: second.proc.poll() is not None, timeout=30, message="the second daemon exits")
+    finally:
+        second.kill()
+    assert second.proc.returncode == 1
+    tail = second.log_tail()
+    assert "holds the runtime directory" in tail and f"pid {first.proc.pid}, node {first.node}" in tail, tail
+    assert "Traceback" not in tail
+    assert (first.runtime_dir / "kvtier.json").read_bytes() == before
+    assert first.stats()["pid"] == first.proc.pid
+    with SyncClient(first.runtime_dir) as c:  # new clients still find the first daemon
+        assert c.lookup("t", [bytes(32)]).length == 0
+    assert first.alive and first.stop() == 0
+    assert not (first.runtime_dir / "kvtier.json").exists()
+
+
+def test_a_stopping_daemon_leaves_a_descriptor_it_did_not_write(tmp_path):
+    from kvtier.daemon.node import descriptor
+    from kvtier.runtime import write_json_atomic
+
+    mine = {"pid": os.getpid(), "epoch": 1}
+    with descriptor(tmp_path, mine) as path:
+        write_json_atomic(path, {"pid": os.getpid() + 1, "epoch": 2})  # another daemon's, somehow
+    assert path.exists(), "deleted a descriptor this process did not write"
+    with descriptor(tmp_path, mine) as path:
+        pass
+    assert not path.exists()
+
+
 def test_config_with_a_typo_is_refused_with_the_key_named(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[daemon]\nshutdown_grace = 3\n[policy]\nhigh_watermark = "lots"\n')
@@ -98,8 +142,29 @@ def test_unreachable_redis_fails_start_with_a_clear_error(tmp_path):
     d = DaemonProcess(cfg, cfg.parent / f"rt-{cfg.stem}").start(wait_ready=False)
     wait_until(lambda: d.proc.poll() is not None, timeout=30, message="daemon exits")
     assert d.proc.returncode == 1
-    assert "daemon.fatal" in d.log_tail() and "nothing-here.sock" in d.log_tail()
+    assert "daemon.start_failed" in d.log_tail() and "nothing-here.sock" in d.log_tail()
     d.kill()
+
+
+@pytest.mark.parametrize("setting", ["url", "bus_url"])
+def test_a_bad_redis_url_at_start_is_one_line_that_names_the_setting(tmp_path, redis_url, setting):
+    """Issue 25: `ConnectionError: Error 111 connecting to 127.0.0.1:1` named no setting and, on a
+    terminal, came with a 708-line traceback of redis-py internals. Now: one line, no traceback,
+    in the console format a terminal gets too."""
+    bad = "redis://127.0.0.1:1"
+    env = {**os.environ, "KVTIER__LOG__FORMAT": "console", "KVTIER__REDIS__" + setting.upper(): bad}
+    if setting == "bus_url":
+        env["KVTIER__REDIS__URL"] = redis_url
+    env["KVTIER__NODE__RUNTIME_DIR"] = str(tmp_path / "rt")
+    env["KVTIER__METRICS__LISTEN"] = ""
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "daemon"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    failed = [ln for ln in lines if "daemon.start_failed" in ln]
+    assert len(failed) == 1 and f"[redis] {setting} = '{bad}'" in failed[0], out
+    assert "Traceback" not in out and len(lines) <= 6, out
 
 
 def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
@@ -127,7 +192,7 @@ def test_redis_acl_user_and_password_from_the_url(tmp_path, redis_server):
         wait_until(lambda: b.proc.poll() is not None, timeout=30, message="daemon exits")
         assert b.proc.returncode == 1
         tail = b.log_tail()
-        assert "daemon.fatal" in tail and ("WRONGPASS" in tail or "invalid" in tail.lower()), tail
+        assert "daemon.start_failed" in tail and ("WRONGPASS" in tail or "invalid" in tail.lower()), tail
         assert "wrong-pw" not in tail, "the password leaked into the log"
         b.kill()
     finally:

@@ -73,7 +73,7 @@ async def no_hit_under_other_salts(client: Client, r) -> int:
 
 
 async def test_salt_a_blocks_never_hit_under_other_salts_in_any_tier(daemon_factory, redis_server):
-    a = daemon_factory(node="salt-a", gpu=4, cpu=8)
+    a = daemon_factory(node="salt-a", gpu=4, cpu=8, log_level="debug")  # a line per failed transfer
     r = redis_server.client()
     try:
         async with await Client.connect(a.runtime_dir) as ca:
@@ -119,7 +119,7 @@ async def test_salt_a_blocks_never_hit_under_other_salts_in_any_tier(daemon_fact
             await no_hit_under_other_salts(ca, r)
 
         # A second node on the same Redis: salt A is shared with it, nothing else is.
-        b = daemon_factory(node="salt-b", gpu=4, cpu=8)
+        b = daemon_factory(node="salt-b", gpu=4, cpu=8, log_level="debug")
         async with await Client.connect(b.runtime_dir) as cb:
             await no_hit_under_other_salts(cb, r)
             c = redis_only(cb, chains, r)[0]  # at least chain `remote`: promotes copy, Redis keeps it

@@ -25,18 +25,19 @@ cpu_blocks = {cpu}
 
 def write_config(directory: Path, *, node: str, redis_url: str, gpu: int = 8, cpu: int = 16,
                  pool: str = "t", persist_arena: bool = False, extra: str = "",
-                 pools_toml: str | None = None, bus_url: str | None = None, redis_extra: str = "") -> Path:
+                 pools_toml: str | None = None, bus_url: str | None = None, redis_extra: str = "",
+                 runtime_dir: Path | None = None, log_level: str = "info") -> Path:
     """A daemon config for tests: small blocks (8 KiB), fast bus timings. `pools_toml` replaces
     the default test pool with the caller's [pools.*] tables (engine tests size their own)."""
     path = directory / f"{node}.toml"
     path.write_text(f"""
 [node]
 id = "{node}"
-runtime_dir = "{directory / ('rt-' + node)}"
+runtime_dir = "{runtime_dir or directory / ('rt-' + node)}"
 
 [log]
 format = "json"
-level = "info"
+level = "{log_level}"
 
 [redis]
 url = "{redis_url}"

@@ -84,6 +84,22 @@ def test_a_put_that_spills_copies_its_local_head_and_ancestors_to_redis_under_wr
     assert p.on_fact(Stored(POOL, k(4), k(3), Tier.CPU, 1, Cause.STORE)) == [], "forgotten with its failure"
 
 
+def test_a_spill_copy_that_missed_its_source_is_redone_from_where_the_block_is_now() -> None:
+    """The copy named gpu, which demoted the block to cpu before the redis worker got to it."""
+    p = placement(gpu=1, cpu=4)
+    put(p, Tier.GPU, [1])
+    put(p, Tier.CPU, [50, 51, 52])
+    _, cmds = p.on_put([k(2), k(3)], k(1), NOW)  # one cpu slot: k(2) local, k(3) spills
+    assert cmds == [Copy(POOL, k(1), None, Tier.GPU, Tier.REDIS)]
+    p.tiers[Tier.GPU].remove(k(1))
+    p.tiers[Tier.CPU].add(k(1), None)  # demoted meanwhile
+    missed = Removed(POOL, k(1), Tier.REDIS, Cause.COPY, Failure.SOURCE_MISS)
+    assert p.on_fact(missed) == [Copy(POOL, k(1), None, Tier.CPU, Tier.REDIS)]
+    assert p.on_fact(Removed(POOL, k(1), Tier.REDIS, Cause.COPY, Failure.REDIS)) == [], "a Redis error: not redone"
+    other = Removed(POOL, k(51), Tier.REDIS, Cause.COPY, Failure.SOURCE_MISS)
+    assert p.on_fact(other) == [], "not a spill copy"
+
+
 def test_a_put_that_fits_or_a_write_through_or_filtered_pool_makes_no_spill_copies() -> None:
     fits = placement(gpu=0, cpu=5)
     assert fits.on_put([k(1), k(2)], None, NOW) == ([Tier.CPU, Tier.CPU], [])
@@ -216,6 +232,24 @@ def test_gpu_never_sends_a_block_off_the_node_ahead_of_its_children_in_cpu() -> 
     assert q.in_redis(k(1), None)
     assert q.on_fact(Stored(POOL, k(1), None, Tier.REDIS, -1, Cause.DEMOTE)) == []
     assert k(1) in q.tiers[Tier.GPU] and not q.tiers[Tier.GPU].get(k(1)).leaving
+
+
+def test_a_parent_stays_while_its_children_are_still_on_their_way_in() -> None:
+    """A put's head lands in gpu, its tail in cpu; the cpu stores are slower. Before the tail is
+    visible, gpu pressure must not send the head off the node, nor shed a block whose children
+    are on their way into its own tier (an index counts only visible children)."""
+    p = placement(gpu=3, cpu=4, high_watermark=0.5, low_watermark=0.1)
+    put(p, Tier.CPU, [30, 31])  # cpu will be full once the tail arrives
+    chain = [k(i) for i in range(1, 6)]
+    assert p.admit(chain, NOW) == [Tier.GPU] * 3 + [Tier.CPU] * 2
+    for key, parent in zip(chain[:3], [None, *chain[:2]]):
+        p.tiers[Tier.GPU].add(key, parent)  # the gpu stores are done; the cpu ones still running
+    gpu_cmds = [c for c in p.pressure(NOW) if getattr(c, "src", getattr(c, "tier", None)) == Tier.GPU]
+    assert gpu_cmds == [], "k(3)'s child k(4) is on its way into cpu"
+    assert p.children(Tier.CPU, k(3)) == 1 and p.tiers[Tier.CPU].children(k(3)) == 0
+    p.on_fact(Removed(POOL, k(4), Tier.CPU, Cause.STORE, Failure.VERIFY))  # that store failed after all
+    assert p.children(Tier.CPU, k(3)) == 0
+    assert [c.key for c in p.pressure(NOW) if getattr(c, "src", None) == Tier.GPU] == [k(3)]
 
 
 # --- facts ---------------------------------------------------------------------------------------

@@ -514,12 +514,18 @@ def test_write_back_keeps_a_parent_whose_children_arrived_meanwhile() -> None:
     p = _placement()
     _stored(p, GPU, A0, Cause.STORE)
     assert p.admit([A0, A1, A2], 0.0) == [None, GPU, GPU]  # a client extends the chain a0 -> a1 -> a2
-    shed = p.pressure(0.0)  # same flush, same publish as the two stores
+    # Same flush, same publish as the two stores: a0's children are on their way in, so it stays.
+    assert p.pressure(0.0) == []
+    # Chosen before the children were announced at all: the demote completes, a0 stays in gpu.
+    q = _placement(high_watermark=0.3, low_watermark=0.1)  # a0 alone is too much
+    _stored(q, GPU, A0, Cause.STORE)
+    shed = q.pressure(0.0)
     assert [(type(c), c.key) for c in shed] == [(Demote, A0)]
+    assert q.admit([A0, A1, A2], 0.0) == [None, GPU, GPU]
     for k in (A1, A2):
-        _stored(p, GPU, k, Cause.STORE)
-    assert _stored(p, CPU, A0, Cause.DEMOTE) == [], "evicts a0 from gpu before its children"
-    assert not p.tiers[GPU].get(A0).leaving and p.tiers[GPU].get(A0).pins == 0
+        _stored(q, GPU, k, Cause.STORE)
+    assert _stored(q, CPU, A0, Cause.DEMOTE) == [], "evicts a0 from gpu before its children"
+    assert not q.tiers[GPU].get(A0).leaving and q.tiers[GPU].get(A0).pins == 0
 
 
 def test_a_late_demote_fact_evicts_only_a_block_still_leaving() -> None:
@@ -549,9 +555,15 @@ def test_a_cpu_write_back_keeps_a_parent_of_gpu_blocks() -> None:
         _stored(p, CPU, k, Cause.STORE)
     assert p.admit([C0, C1], 0.0) == [None, GPU]  # a client extends c0 (in cpu) with c1
     shed = p.pressure(0.0)  # decided in the flush that publishes the store of c1
-    assert (Demote, C0, REDIS) in [(type(c), c.key, c.dst) for c in shed]
-    _stored(p, GPU, C1, Cause.STORE)  # the store runs first
-    cmds = _stored(p, REDIS, C0, Cause.DEMOTE)  # then the write-back of c0 completes
+    assert (Demote, C0, REDIS) not in [(type(c), c.key, c.dst) for c in shed], "c1 is on its way into gpu"
+    # Chosen before c1 was announced: the write-back completes, but c0 stays on the node.
+    q = _placement()
+    for k in (C0, D0, A0, A1, A2):
+        _stored(q, CPU, k, Cause.STORE)
+    assert (Demote, C0, REDIS) in [(type(c), c.key, c.dst) for c in q.pressure(0.0)]
+    assert q.admit([C0, C1], 0.0) == [None, GPU]
+    _stored(q, GPU, C1, Cause.STORE)  # the store runs first
+    cmds = _stored(q, REDIS, C0, Cause.DEMOTE)  # then the write-back of c0 completes
     assert Evict(POOL, C0, CPU, Reason.DEMOTED) not in cmds, "c0 leaves the node while its child c1 is in gpu"
 
 
