@@ -34,7 +34,8 @@ def _events(d, event: str) -> list[dict]:
 
 
 async def test_puts_staged_before_a_graceful_stop_are_stored_though_the_client_exits_at_once(daemon_factory):
-    d = daemon_factory(node="drain", gpu=0, cpu=CHAINS * BLOCKS + 32, persist_arena=True)
+    # Room for all of it below the high watermark: nothing is shed, before or after the restart.
+    d = daemon_factory(node="drain", gpu=0, cpu=2 * CHAINS * BLOCKS, persist_arena=True)
     client = await Client.connect(d.runtime_dir, staging_blocks=CHAINS * BLOCKS)
     chains = []
     for i in range(CHAINS):
