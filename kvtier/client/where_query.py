@@ -34,8 +34,21 @@ async def _run(batches: KeyBatches, cmds: Sequence[Command]) -> list[Any]:
 
 
 async def query_where(batches: KeyBatches, pool: str, keys: Sequence[BlockKey], *, limit: int = WHERE_LIMIT,
-                      chunk: int = WHERE_CHUNK) -> Where:
-    """Redis errors raise."""
+                      chunk: int = WHERE_CHUNK, tries: int = 3) -> Where:
+    """Redis errors raise. When the deepest block's holders leave between the reads (another
+    node's HDEL landed meanwhile), the answer is asked again, up to `tries` times: the shorter
+    runs other nodes still hold are the answer then, not an empty one."""
+    for _ in range(tries - 1):
+        answer, settled = await _query(batches, pool, keys, limit, chunk)
+        if settled:
+            return answer
+    return (await _query(batches, pool, keys, limit, chunk))[0]
+
+
+async def _query(batches: KeyBatches, pool: str, keys: Sequence[BlockKey], limit: int, chunk: int
+                 ) -> tuple[Where, bool]:
+    """One try, and whether it settled: False when the deepest block held had no holders left by
+    the time it was read."""
     counts: list[Any] = []
     in_redis: list[Any] = []
     for at in range(0, len(keys), chunk):
@@ -49,16 +62,16 @@ async def query_where(batches: KeyBatches, pool: str, keys: Sequence[BlockKey], 
     held = leading(counts)
     redis_length = leading(in_redis)
     if held == 0:
-        return Where(0, (), redis_length)
+        return Where(0, (), redis_length), True
     deepest = await _run(batches, [("HGETALL", where_key(pool, keys[held - 1]))])
     held_by = holders(deepest[0])  # {node: best tier}: gpu holders first, then by name
     nodes = sorted(held_by, key=lambda n: (TIER_RANK[held_by[n]], n))[:limit]
-    if not nodes:  # the deepest block's holders left between the two reads: ask again later
-        return Where(0, (), redis_length)
+    if not nodes:  # the deepest block's holders left between the two reads: ask again
+        return Where(0, (), redis_length), False
     fields = candidate_fields(nodes)
     replies: list[Any] = []
     for at in range(0, held, chunk):
         part = keys[at:min(at + chunk, held)]
         replies.extend(await _run(batches, [("HMGET", where_key(pool, k), *fields) for k in part]))
     runs = verified_runs(nodes, replies)
-    return Where(runs[0].length if runs else 0, tuple(runs), redis_length)
+    return Where(runs[0].length if runs else 0, tuple(runs), redis_length), True

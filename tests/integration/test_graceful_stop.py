@@ -63,7 +63,8 @@ async def test_a_clean_restart_discards_nothing_though_evictions_freed_slots(dae
             keys = c.block_keys("t", list(range(i * 10**5, i * 10**5 + 16 * 16)))
             assert (await c.put("t", keys, make_kv(16, seed=i))).staged == 16
             await async_wait_until(lambda keys=keys: _stored(c, keys), timeout=10, message=f"chain {i} stored")
-    assert d.pool_stats()["tiers"]["cpu"]["evicted"] > 0
+    await async_wait_until(lambda: d.pool_stats().get("tiers", {}).get("cpu", {}).get("evicted", 0) > 0,
+                           timeout=10, message="evictions (freed slots) in the stats")
     assert d.stop() == 0
     held = d.stats()["pools"]["t"]["tiers"]["cpu"]["blocks"]
     d.start()

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvtier.client import Client
+from kvtier.core.where import where_key
 from tests.support.blocks import make_kv, stored_somewhere
 from tests.support.waiting import async_wait_until
 
@@ -87,3 +88,41 @@ async def test_kvtier_where_cli(daemon_factory) -> None:
     bad = subprocess.run([sys.executable, "-m", "kvtier.cli", "where", "--pool", "t", "--runtime-dir",
                           str(a.runtime_dir), "--tokens", "1,x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "cannot read the token ids" in bad.stderr
+
+
+class _HdelBeforeHgetall:
+    """The blocks Redis, with another node's HDEL landing between `where`'s HLEN and HGETALL
+    reads, once: the race a router meets while a node evicts the deepest blocks."""
+
+    def __init__(self, batches, r, pool: str, key: bytes, field: str) -> None:
+        self._batches, self._r, self._hash, self._field, self.raced = batches, r, where_key(pool, key), field, False
+
+    async def run(self, commands, **kw):
+        if commands and commands[0][0] == "HGETALL" and not self.raced:
+            self.raced = True
+            self._r.hdel(self._hash, self._field)
+        return await self._batches.run(commands, **kw)
+
+
+async def test_where_asks_again_when_the_deepest_holder_leaves_between_its_reads(redis_server, redis_url) -> None:
+    """Node a holds 5 blocks of a chain, node b the first 3; a drops its 5th block between the
+    reads. Before, the answer was empty (no node at all) though a still held 4 and b 3; now it asks
+    again and names a's run of 4."""
+    from kvtier.bus.connect import make_redis
+    from kvtier.client.where_query import query_where
+    from kvtier.store.batches import batches_for
+
+    keys = [bytes([i]) * 32 for i in range(1, 6)]
+    r = redis_server.client()
+    for i, k in enumerate(keys):
+        r.hset(where_key("t", k), mapping={"a|cpu": 1, **({"b|gpu": 1} if i < 3 else {})})
+    client = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=1)
+    try:
+        racy = _HdelBeforeHgetall(batches_for(client), r, "t", keys[4], "a|cpu")
+        w = await query_where(racy, "t", keys)
+        assert racy.raced
+        assert [(n.node, n.length) for n in w.nodes] == [("a", 4)], w  # the holders of the longest run
+        assert w.redis_length == 0
+    finally:
+        await client.aclose()
+        r.close()
