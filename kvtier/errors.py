@@ -34,3 +34,13 @@ class SegmentError(KvtierError, OSError):
 
 class DaemonUnavailable(KvtierError, ConnectionError):
     """No running daemon could be found, or it stopped answering."""
+
+
+class RedisUnavailable(KvtierError, ConnectionError):
+    """Redis could not be reached or refused a call the client had to make (a prefetch, `where`,
+    an epoch): the redis-py error is its cause. Reads and lookups never raise it: a miss instead."""
+
+
+class CallTimeout(KvtierError, TimeoutError):
+    """A SyncClient call ran past its `timeout` and was cancelled: it has unwound, so nothing it
+    started writes into the caller's memory afterwards."""

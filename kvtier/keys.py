@@ -1,4 +1,4 @@
-"""Chained 32-byte block keys (DESIGN.md, "Blocks and keys").
+"""Chained 32-byte block keys (docs/architecture.md, "Keys").
 
 key_0 = H(root || tokens_0), key_i = H(key_{i-1} || tokens_i), H = SHA-256, tokens as u32 LE.
 The root commits, length-prefixed and domain-tagged, to the layout fingerprint, the tenant salt

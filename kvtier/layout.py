@@ -33,7 +33,7 @@ class BlockLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """[num_layers, 2, num_kv_heads, block_tokens, head_dim] (DESIGN.md)."""
+        """One block: [num_layers, 2, num_kv_heads, block_tokens, head_dim]."""
         return (self.layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
 
     @property

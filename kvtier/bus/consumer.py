@@ -1,6 +1,6 @@
 """A consumer-group Consumer over Redis Streams, with at-least-once delivery.
 
-Guarantees (DESIGN.md "Bus", reliability.md §1):
+Guarantees (docs/architecture.md, "Bus"; docs/reliability.md):
 - ack after the effect: a handled entry is XACKed only once its handler has returned;
 - at start, re-read this consumer's own pending history (read from id 0 until empty, the
   documented restart procedure), then XAUTOCLAIM entries that other consumers left idle;
@@ -16,37 +16,24 @@ Handlers must be idempotent: delivery is at least once, never exactly once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ResponseError
 
+from kvtier.bus.batch import SUMMARY_S as SUMMARY_S  # re-exported: tests/unit/test_operator_text.py
+from kvtier.bus.batch import Batch, BatchHandler
+from kvtier.bus.batch import Delivery as Delivery  # what handlers take: imported from here
+from kvtier.bus.batch import _Summary as _Summary
 from kvtier.bus.cancel import raise_if_cancelling
 from kvtier.bus.connect import AsyncRedis
-from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
+from kvtier.bus.deadletter import Entry, Settler
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
-from kvtier.bus.outages import OutageLedger
-from kvtier.bus.publisher import FIELD, BusStats
-from kvtier.core.events import Envelope
-from kvtier.errors import MalformedEvent
+from kvtier.bus.publisher import BusStats
 from kvtier.failpoints import Failpoints
 from kvtier.logs import LogThrottle
-
-CANCEL_FLUSH_TIMEOUT_S = 1.0  # bounded: a cancelled consumer must not hang on a dead Redis
-SUMMARY_S = 60.0  # one `bus.summary` line (info) per consumer per this many seconds of work
-
-Batch = list[tuple[str, list[Entry]]]  # (stream, entries) pairs, as read
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    stream: str
-    entry_id: bytes
-    envelope: Envelope
 
 
 class Consumer:
@@ -54,7 +41,7 @@ class Consumer:
 
     `claim_idle_ms` must exceed the slowest handler: an entry idle that long is assumed abandoned
     and claimed. `block_ms` must stay below the client's socket_timeout, or the blocking read
-    itself times out (reliability.md §0.5).
+    itself times out (refused here, with a ValueError).
     """
 
     def __init__(
@@ -91,21 +78,19 @@ class Consumer:
         self._by_key = {s.encode(): s for s in self._streams}
         self._group = group
         self._consumer = consumer
-        self._handler = handler
-        # Called once per batch, after the handler has seen every entry and before any is acked:
-        # lets a handler buffer its own output (commands, facts) and publish it in one round trip.
-        self._after_batch = after_batch
-        self._failpoints = failpoints or Failpoints()
         self._read_count = read_count
         self._block_ms = block_ms
         self._claim_idle_ms = claim_idle_ms
-        self._max_deliveries = max_deliveries
         self.stats = stats
         self._log = log.bind(group=group, consumer=consumer)
         self._quiet = LogThrottle(self._log)
-        self._summary = _Summary(time.monotonic())
-        self._settler = Settler(redis, group, dlq, publisher_maxlen, stats, self._log)
-        self.outages = OutageLedger()
+        # `after_batch` runs once per batch, after the handler has seen every entry and before
+        # any is acked: a handler buffers its output (commands, facts) and publishes it at once.
+        settler = Settler(redis, group, dlq, publisher_maxlen, stats, self._log)
+        self._batches = BatchHandler(redis, group, consumer, handler, after_batch, settler,
+                                     max_deliveries=max_deliveries, stats=stats, log=self._log,
+                                     failpoints=failpoints or Failpoints())
+        self.outages = self._batches.outages
         self._stopping = False
         self._running = False
         self._groups_seen = False
@@ -213,7 +198,7 @@ class Consumer:
                     break
                 cursor = cast(bytes, entries[-1][0])  # ids are never nil in a history read
                 self.stats.reclaimed += len(entries)
-                await self._handle([(stream, entries)], counted=True)
+                await self._batches.handle([(stream, entries)], counted=True)
 
     async def _autoclaim(self) -> None:
         for stream in self._streams:
@@ -233,7 +218,7 @@ class Consumer:
                 if entries:
                     self.stats.reclaimed += len(entries)
                     self._log.debug("bus.reclaimed", stream=stream, count=len(entries))
-                    await self._handle([(stream, entries)], counted=True)
+                    await self._batches.handle([(stream, entries)], counted=True)
                 if cursor in (b"0-0", "0-0"):
                     break
 
@@ -249,7 +234,7 @@ class Consumer:
         for stream, entries in batches:
             if entries and (last := entries[-1][0]) is not None:
                 self._read_to[stream] = _entry_id(last)
-        await self._handle(batches, counted=False)
+        await self._batches.handle(batches, counted=False)
         return True
 
     async def _drained(self) -> bool:
@@ -263,161 +248,8 @@ class Consumer:
             return True
         return not await self._read_new(block=False)
 
-    # --- one batch --------------------------------------------------------------------------
-
-    async def _handle(self, batches: Batch, *, counted: bool) -> None:
-        """Run the handler over a batch, then dead-letter and ack in as few round trips as possible.
-
-        `counted`: entries were delivered before (history, claim), so look up their delivery
-        counts; a fresh '>' read is delivery number 1.
-        """
-        t0 = time.monotonic()
-        acks: dict[str, list[bytes]] = {}
-        dead: list[DeadLetter] = []
-        lost: set[tuple[str, bytes]] = set()  # deliveries that ended in an outage (bus/outages.py)
-        effects_done = self._after_batch is None  # with a hook, effects exist only once it ran
-        failed: Exception | None = None
-        try:
-            try:
-                for stream, entries in batches:
-                    done = acks.setdefault(stream, [])
-                    counts = await self._delivery_counts(stream, entries) if counted else None
-                    for entry_id, fields in entries:
-                        await self._handle_one(stream, entry_id, fields, counts, done, dead, lost)
-            except REDIS_ERRORS as e:
-                if is_outage(e):  # the whole batch comes back: not its entries' fault
-                    self.outages.record(lost | self._ids(batches), {}, [])
-                raise
-            if self._after_batch is not None:
-                try:
-                    await self._after_batch()
-                    effects_done = True
-                except Exception as e:
-                    # The batch's effects are not complete: ack nothing it handled, so every
-                    # entry comes back (handlers are idempotent). Dead letters stand.
-                    self.stats.handler_errors += 1
-                    self._log.error("bus.after_batch_error", exc_info=True)
-                    acks = {}
-                    if isinstance(e, REDIS_ERRORS):
-                        failed = e
-        except asyncio.CancelledError:
-            # Ack (shielded, bounded) only what has really taken effect, then keep cancelling.
-            # Without the batch hook having run, handled entries stay pending and come back.
-            if not effects_done:
-                acks = {}
-            with contextlib.suppress(Exception):
-                await asyncio.shield(asyncio.wait_for(self._settler.flush(acks, dead), CANCEL_FLUSH_TIMEOUT_S))
-            raise
-        handled, dead_count = sum(map(len, acks.values())), len(dead)
-        if handled:
-            self._failpoints.reached("after_xadd")
-        if is_outage(failed):
-            lost.update(self._ids(batches))
-        try:
-            await self._settler.flush(acks, dead)
-        except REDIS_ERRORS as e:
-            if is_outage(e):  # nothing was settled
-                self.outages.record(lost | self._ids(batches), {}, [])
-            raise
-        self.outages.record(lost, acks, dead)  # once per delivery; acked and dead-lettered ones are settled
-        if failed is not None:
-            # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
-            # before reading more, rather than fail every new batch the same way at once.
-            raise failed
-        # The canonical line for one unit of work (debug: hundreds a second under load), and a
-        # summary of them at info once a minute.
-        ms = round((time.monotonic() - t0) * 1000, 2)
-        self._log.debug("bus.batch", streams=[b[0] for b in batches], handled=handled, dead=dead_count,
-                        reclaimed=counted, ms=ms)
-        if (line := self._summary.add(handled, dead_count, counted, ms, time.monotonic())) is not None:
-            self._log.info("bus.summary", **line)
-
-    async def _handle_one(
-        self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,
-        counts: dict[bytes, int] | None, done: list[bytes], dead: list[DeadLetter], lost: set[tuple[str, bytes]],
-    ) -> None:  # fmt: skip
-        if entry_id is None:  # Redis 6.2 XAUTOCLAIM reports a deleted entry as nil, id and all
-            self.stats.deleted_entries += 1
-            return
-        if not fields:  # nil payload: trimmed (MAXLEN) or XDELed while pending
-            self.stats.deleted_entries += 1
-            self._log.debug("bus.deleted_entry", stream=stream, id=entry_id)
-            done.append(entry_id)
-            return
-        delivered = None
-        if counts is not None:
-            delivered = counts.get(entry_id)
-            if delivered is None:  # acked or claimed by someone else meanwhile: no longer ours
-                return
-        if delivered is not None:
-            delivered = self.outages.counted(stream, entry_id, delivered)
-        verdict = triage(fields, delivered, self._max_deliveries)
-        if isinstance(verdict, Rejected):
-            dead.append((stream, entry_id, verdict.reason, verdict.raw))
-            return
-        self.stats.delivered += 1
-        self._log.debug("bus.deliver", stream=stream, id=entry_id, type=verdict.event.TYPE)
-        try:
-            await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=verdict))
-        except MalformedEvent as e:
-            # Well-formed on the wire but meaningless here (an unknown pool, say): retrying
-            # cannot help, so dead-letter it now with the handler's reason.
-            dead.append((stream, entry_id, e.reason, fields.get(FIELD)))
-            return
-        except Exception as e:
-            # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
-            if is_outage(e):
-                lost.add((stream, entry_id))
-            self.stats.handler_errors += 1
-            self._log.error("bus.handler_error", stream=stream, id=entry_id, exc_info=True)
-            return
-        done.append(entry_id)
-
-    @staticmethod
-    def _ids(batches: Batch) -> set[tuple[str, bytes]]:
-        return {(stream, i) for stream, entries in batches for i, _f in entries if i is not None}
-
-    async def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
-        """Delivery counts of this consumer's pending `entries`, one XPENDING per id, pipelined."""
-        ids = [entry_id for entry_id, fields in entries if entry_id is not None and fields]
-        if not ids:
-            return {}
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for entry_id in ids:
-                pipe.xpending_range(
-                    stream, self._group, min=entry_id, max=entry_id, count=1, consumername=self._consumer
-                )
-            replies = cast(list[list[dict[str, Any]]], await pipe.execute())
-        return {r[0]["message_id"]: int(r[0]["times_delivered"]) for r in replies if r}
-
 
 def _entry_id(raw: bytes | str) -> tuple[int, int]:
     """A stream entry id ("ms-seq") as a pair that orders as Redis orders ids."""
     ms, _, seq = (raw.decode() if isinstance(raw, bytes) else raw).partition("-")
     return int(ms), int(seq or 0)
-
-
-@dataclass(slots=True)
-class _Summary:
-    """What a consumer's batches did since the last `bus.summary` line."""
-
-    since: float
-    batches: int = 0
-    handled: int = 0
-    dead: int = 0
-    reclaimed: int = 0
-    max_ms: float = 0.0
-
-    def add(self, handled: int, dead: int, reclaimed: bool, ms: float, now: float) -> dict[str, Any] | None:
-        """Count one batch; the summary line's fields once SUMMARY_S have passed (then reset)."""
-        self.batches += 1
-        self.handled += handled
-        self.dead += dead
-        self.reclaimed += reclaimed
-        self.max_ms = max(self.max_ms, ms)
-        if now - self.since < SUMMARY_S:
-            return None
-        line = {"seconds": round(now - self.since, 1), "batches": self.batches, "handled": self.handled,
-                "dead": self.dead, "reclaimed": self.reclaimed, "max_ms": self.max_ms}
-        self.since, self.batches, self.handled, self.dead, self.reclaimed, self.max_ms = now, 0, 0, 0, 0, 0.0
-        return line

@@ -1,4 +1,4 @@
-"""Names of one node's Redis streams (DESIGN.md, "Bus").
+"""Names of one node's Redis streams (docs/architecture.md, "Bus").
 
 Every name carries the node inside `{...}`, a Redis Cluster hash tag, so all of a node's streams
 hash to one slot: XREADGROUP over several of them, MULTI and Lua stay single-slot.

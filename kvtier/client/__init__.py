@@ -1,7 +1,9 @@
-"""What inference workers import: keys, lookup, get, put, prefetch."""
+"""What inference workers import: keys, lookup, get, put, prefetch; and for engine integrations,
+the checksum their own copies are verified with."""
 
 from kvtier.client.client import Client
-from kvtier.client.results import Lookup, PutResult
+from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
 from kvtier.client.sync import SyncClient
+from kvtier.shm.slots import checksum, checksum_parts
 
-__all__ = ["Client", "Lookup", "PutResult", "SyncClient"]
+__all__ = ["Client", "ClientStats", "DropReason", "Lookup", "PutResult", "SyncClient", "checksum", "checksum_parts"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.bus.connect import AsyncRedis
+from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats, Lookup
 from kvtier.client.where_query import query_where
 from kvtier.core.where import Where
+from kvtier.errors import RedisUnavailable
 from kvtier.keys import check_key
 from kvtier.logs import Log, LogThrottle
 from kvtier.store.commands import KeyBatches
@@ -75,18 +77,24 @@ class RedisQueries:
         """The router's question, from the cluster prefix index (core/where.py), kept by every
         daemon with [prefix_index] enabled: which nodes hold the longest leading run of `keys`
         locally, in which tier, and how much of it Redis holds (asked of Redis itself): see
-        client/where_query.py. Redis errors raise."""
+        client/where_query.py. RedisUnavailable when Redis cannot answer."""
         self.pool(pool)
-        return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
+        try:
+            return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"where: {type(e).__name__}: {e}") from e
 
     async def epoch(self, pool: str, name: str, *, bump: bool = False) -> int:
         """A counter on the bus Redis, per pool and `name` (0 until first bumped). Integrations mix
         it into their keys: bumping it retires every block written under the old value, on every
         node at once, without deleting blocks that other namespaces share (they age out by LRU).
         A reader that has not seen the new value yet still finds the old blocks: callers bound
-        that staleness (the SGLang backend reads the value again every second). Redis errors
-        raise."""
+        that staleness (the SGLang backend reads the value again every second).
+        RedisUnavailable when Redis cannot answer."""
         self.pool(pool)
         key = f"kvtier:epoch:{pool}:{name}"
-        value = await (self._redis.incr(key) if bump else self._redis.get(key))
+        try:
+            value = await (self._redis.incr(key) if bump else self._redis.get(key))
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"epoch {name!r}: {type(e).__name__}: {e}") from e
         return int(value or 0)

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from redis.exceptions import NoPermissionError
 
 from kvtier.bus.connect import AsyncRedis
@@ -39,11 +38,14 @@ from kvtier.logs import Log, LogThrottle
 from kvtier.store.redis_blocks import CONNECTIONS, PIPELINE_BYTES, RedisBlocks, Verified
 
 
-class LocalReads(Protocol):
-    """This node's shared memory, as a read-through sees it (the Client)."""
+class Destination(Protocol):
+    """Where a read-through's blocks go (client/reads.py `Rows`): a caller's tensor, or memory
+    of the caller's own layout."""
 
-    def listed(self, key: BlockKey) -> bool: ...  # the directory names a slot for it (a hint)
-    async def read(self, rows: Sequence[int]) -> list[bool]: ...  # verified copies into out[rows]
+    def listed(self, key: BlockKey) -> bool: ...  # this node's directory names a slot for it (a hint)
+    async def read(self, rows: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]: ...  # from shared memory
+    def landing(self, row: int) -> npt.NDArray[np.uint8] | None: ...  # where a Redis value may land in place
+    def deliver(self, row: int, payload: npt.NDArray[np.uint8], checksum: int) -> bool: ...  # it, verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +79,16 @@ class RemoteReads:
                                                 connections=self._connections)
         return rb
 
-    async def read(self, pool: ClientPool, keys: Sequence[BlockKey], out: torch.Tensor, start: int,
-                   executor: Executor | None, local: LocalReads) -> Through:
-        """Read keys[start:] into out[start:], each block from wherever it is: this node's shared
-        memory when its directory lists it (`local`), else Redis. The answer is the leading run
-        of verified blocks; a block found in neither ends it. Raises nothing for Redis' sake: an
-        outage or a timeout ends the run where Redis was needed (counted, logged once a while)."""
+    async def read(self, pool: ClientPool, keys: Sequence[BlockKey], start: int, executor: Executor | None,
+                   dest: Destination) -> Through:
+        """Read keys[start:] into their rows of `dest`, each block from wherever it is: this
+        node's shared memory when its directory lists it, else Redis. The answer is the leading
+        run of verified blocks; a block found in neither ends it. Raises nothing for Redis' sake:
+        an outage or a timeout ends the run where Redis was needed (counted, logged once a while)."""
         rb = self._blocks(pool)
         rest = range(start, len(keys))
         # keys[start] is not local, or its read just failed: Redis is its only chance.
-        here = {i for i in rest if i > start and local.listed(keys[i])}
+        here = {i for i in rest if i > start and dest.listed(keys[i])}
         away = [i for i in rest if i not in here]
         ok: dict[int, bool] = {}
         fetched: list[int] = []
@@ -103,14 +105,22 @@ class RemoteReads:
                 if end < len(keys) and isinstance(there[end], Exception):
                     stop = there[end]  # why the run ended: Redis's error, not a miss
                 mine = sorted(i for i in here if i < end)
-                for i, hit in zip(mine, await local.read(mine)):
+                for i, hit in zip(mine, await dest.read(mine, keys)):
                     ok[i] = hit
                 # A local copy that failed verification (evicted, rewritten) may still be in Redis.
                 fetched = sorted([i for i in away if i < end] + [i for i in mine if not ok[i]])
-                into, then = _destinations(out, fetched)
+                delivered: dict[int, bool] = {}
+
+                def into(j: int) -> npt.NDArray[np.uint8]:
+                    got = dest.landing(fetched[j])
+                    return np.empty(pool.block_bytes, dtype=np.uint8) if got is None else got
+
+                def then(j: int, v: Verified) -> None:
+                    delivered[j] = dest.deliver(fetched[j], v[0], v[1])
+
                 got = await rb.fetch([keys[i] for i in fetched], into=into, then=then, executor=executor)
-                for i, g in zip(fetched, got):
-                    ok[i] = isinstance(g, tuple)
+                for j, (i, g) in enumerate(zip(fetched, got)):
+                    ok[i] = isinstance(g, tuple) and delivered.get(j, False)
                     if isinstance(g, Exception) and not isinstance(stop, Exception):
                         stop = g
         except TimeoutError:
@@ -138,19 +148,3 @@ class RemoteReads:
         for rb in self._pools.values():
             await rb.aclose()
         self._pools.clear()
-
-
-def _row(out: torch.Tensor, i: int) -> npt.NDArray[np.uint8]:
-    return out[i].view(torch.uint8).reshape(-1).numpy()
-
-
-def _destinations(out: torch.Tensor, rows: Sequence[int]) -> tuple[Any, Any]:
-    """Where the fetched blocks (for `rows` of `out`) land: straight in the rows of a host
-    tensor; for a device tensor, in host buffers, then copied over once verified."""
-    if out.device.type == "cpu":
-        return (lambda j: _row(out, rows[j])), None
-
-    def to_device(j: int, got: Verified) -> None:
-        out[rows[j]].view(torch.uint8).reshape(-1).copy_(torch.from_numpy(got[0]))
-
-    return None, to_device

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvtier.core.events import Tier
@@ -18,10 +19,25 @@ class Lookup:
     redis_length: int = 0
 
 
+class DropReason(enum.StrEnum):
+    """Why a put did not hand all its blocks over (`PutResult.reason`)."""
+
+    NONE = ""  # every block was staged
+    STAGING_FULL = "staging_full"  # no free staging slot: the daemon has not stored the earlier puts yet
+    STAGING_TIMEOUT = "staging_timeout"  # still none when the put's `wait_s` ran out
+    DAEMON_GONE = "daemon_gone"  # the daemon is not running, or its bus could not be reached
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    staged: int  # handed to the daemon; visible once it has verified and stored them
-    dropped: int  # not handed over: staging full or the daemon unreachable
+    """`staged` blocks were handed to the daemon: stored (visible) once it has verified them, and
+    stored before a graceful stop completes. The leading `staged` blocks of the put, in order; the
+    `dropped` rest were not handed over, for `reason`. (The daemon may still drop a staged block
+    it has no room for: its `puts_dropped` counter.)"""
+
+    staged: int
+    dropped: int
+    reason: DropReason = DropReason.NONE
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -14,8 +15,9 @@ import torch
 
 from kvtier.client.client import Client
 from kvtier.client.pools import ClientPool
-from kvtier.client.results import Lookup, PutResult
+from kvtier.client.results import ClientStats, Lookup, PutResult
 from kvtier.core.where import Where
+from kvtier.errors import CallTimeout
 from kvtier.keys import BlockKey
 from kvtier.processes import pid_alive
 
@@ -42,14 +44,24 @@ class SyncClient:
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         # The deadline is kept on the loop (wait_for), not here: a call that times out is cancelled
         # there and this returns only once it has unwound, so no copy it started can still be
-        # writing into the caller's memory (a tensor, an engine's page) after TimeoutError.
+        # writing into the caller's memory (a tensor, an engine's page) after CallTimeout.
         t = self._timeout if timeout is None else timeout
         fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, t), self._loop)
         try:
             return fut.result()
+        except TimeoutError as e:
+            raise CallTimeout(f"the call took longer than {t:g} s and was cancelled") from e
         except BaseException:
             fut.cancel()  # interrupted (Ctrl-C): do not leave the call running behind our back
             raise
+
+    def submit(self, job: Callable[[Client], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        """Run `job(client)` on this client's loop thread and return at once, for callers that
+        overlap work (an engine's scheduler polling its transfers). The future is the caller's to
+        poll or wait on; `cancel()` on it cancels the job, whose copies finish before it ends
+        (kvtier/offload.py). The job keeps its own deadline: SyncClient's `timeout` does not
+        apply."""
+        return asyncio.run_coroutine_threadsafe(job(self._client), self._loop)
 
     def block_keys(self, pool: str, token_ids: Sequence[int], *, salt: bytes | None = None,
                    lora_id: str | None = None) -> list[BlockKey]:
@@ -59,26 +71,37 @@ class SyncClient:
         return self._client.lookup(pool, keys)
 
     # `timeout` bounds one call (default: the constructor's); TimeoutError cancels the call.
+    def present(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
+        """Client.present: per key, on this node or in Redis."""
+        return self._call(self._client.present(pool, keys), timeout)
+
     def locate(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> Lookup:
         return self._call(self._client.locate(pool, keys), timeout)
 
     def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False,
             timeout: float | None = None) -> int:
-        """Client.get; `remote=True` reads the rest of the leading run straight from Redis."""
+        """Client.get; `remote=True` reads each block of the leading run from wherever it is."""
         return self._call(self._client.get(pool, keys, out, remote=remote), timeout)
 
     def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, npt.NDArray[np.uint8]], object],
-                 digest: Callable[[int], int], *, timeout: float | None = None) -> int:
-        return self._call(self._client.get_with(pool, keys, copy_out, digest), timeout)
+                 digest: Callable[[int], int], *, remote: bool = False,
+                 land: Callable[[int], npt.NDArray[np.uint8] | None] | None = None,
+                 timeout: float | None = None) -> int:
+        """Client.get_with."""
+        return self._call(self._client.get_with(pool, keys, copy_out, digest, remote=remote, land=land), timeout)
 
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
-            token_ids: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
-        return self._call(self._client.put(pool, keys, kv, parent=parent, token_ids=token_ids), timeout)
+            token_ids: Sequence[int] | None = None, wait_s: float = 0.0, timeout: float | None = None) -> PutResult:
+        """Client.put; `timeout` must exceed `wait_s`."""
+        return self._call(self._client.put(pool, keys, kv, parent=parent, token_ids=token_ids, wait_s=wait_s),
+                          timeout)
 
     def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object], *,
-                 parent: bytes | None = None, token_ids: Sequence[int] | None = None,
+                 parent: bytes | None = None, token_ids: Sequence[int] | None = None, wait_s: float = 0.0,
                  timeout: float | None = None) -> PutResult:
-        return self._call(self._client.put_with(pool, keys, fill, parent=parent, token_ids=token_ids), timeout)
+        """Client.put_with; `timeout` must exceed `wait_s`."""
+        return self._call(self._client.put_with(pool, keys, fill, parent=parent, token_ids=token_ids,
+                                                wait_s=wait_s), timeout)
 
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:
@@ -91,6 +114,11 @@ class SyncClient:
     def epoch(self, pool: str, name: str, *, bump: bool = False, timeout: float | None = None) -> int:
         """Client.epoch."""
         return self._call(self._client.epoch(pool, name, bump=bump), timeout)
+
+    @property
+    def stats(self) -> ClientStats:
+        """What this client counted (reads, misses, drops, Redis errors)."""
+        return self._client.stats
 
     @property
     def node(self) -> str:

@@ -185,6 +185,9 @@ class ArenaConfig:
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
+    """The placement policy's knobs, with their checks and defaults (the only ones: the daemon
+    builds the core's `PolicyKnobs` from these by name, kvtier/daemon/pools.py `policy_knobs`)."""
+
     high_watermark: float = setting(number(gt=0, le=1), 0.9)
     low_watermark: float = setting(number(gt=0, le=1), 0.75)
     promote_after_hits: int = setting(integer(1), 2)

@@ -1,6 +1,6 @@
 """Typed events on the bus. Events carry keys and locations only, never block bytes.
 
-Three families (DESIGN.md, "Bus"):
+Three families (docs/architecture.md, "Bus"):
 - client events (inference worker -> daemon): Access, Put, Prefetch, RemoteRead;
 - tier commands (-> one tier worker's stream): Store, Promote, Demote, Copy, Evict;
 - tier facts (tier worker -> facts stream): Stored, Removed.
@@ -217,6 +217,7 @@ class Removed:
     why: Reason | Failure
 
 
+Command = Store | Promote | Demote | Copy | Evict  # what the policy sends a tier worker
 Event = Access | Put | Prefetch | RemoteRead | Store | Promote | Demote | Copy | Evict | Stored | Removed
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Store, Promote, Demote, Copy, Evict, Stored, Removed)

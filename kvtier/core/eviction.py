@@ -3,7 +3,8 @@
 The policy chooses what to shed (`Placement.pressure`); a worker carries the choice out a moment
 later, when things may have changed. These functions decide at that moment, from the indices
 alone, and return a verdict the worker acts on; what the worker then did goes back through the
-Placement (`dropped`, `refused`, `not_in_redis`). The tier worker and the Hypothesis state
+Placement (`dropped`, `refused`, `not_in_redis`), and what it reports and counts is the verdict's
+outcome (kvtier/core/outcomes.py `evicted`, `kept`). The tier worker and the Hypothesis state
 machine (tests/unit/test_policy_state.py) call the same functions, so the machine checks the
 rules that production runs. No I/O: where the answer depends on Redis, the verdict says "ask
 Redis" and `after_redis_check` finishes it.

@@ -1,4 +1,11 @@
-"""The placement policy's knobs (config `[policy]`, documented in kvtier/core/policy.py)."""
+"""The placement policy's knobs, as the core takes them (what each does: kvtier/core/policy.py,
+shedding.py and promotion.py).
+
+The operator sets them in config `[policy]` (kvtier/config/schema.py `PolicyConfig`), which
+declares each one's check and default; the daemon builds these from that section knob by knob,
+by name (kvtier/daemon/pools.py `policy_knobs`), so the defaults live in the config alone. Here
+they get the types the core decides with: the policy's choices are enums, not strings.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +24,12 @@ class RedisWrite(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PolicyKnobs:
-    high_watermark: float = 0.9
-    low_watermark: float = 0.75
-    promote_after_hits: int = 2
-    prefetch_lease_s: float = 5.0
-    transfer_timeout_s: float = 30.0
-    redis_write: RedisWrite = RedisWrite.WRITE_BACK
-    redis_admit_after_hits: int = 0  # 0: every block may go to Redis
-    prefetch_to: Tier = Tier.CPU
-    promote_remote_after_reads: int = 1  # 0: blocks read straight from Redis are never brought up
+    high_watermark: float
+    low_watermark: float
+    promote_after_hits: int
+    prefetch_lease_s: float
+    transfer_timeout_s: float
+    redis_write: RedisWrite
+    redis_admit_after_hits: int  # 0: every block may go to Redis
+    prefetch_to: Tier
+    promote_remote_after_reads: int  # 0: blocks read straight from Redis are never brought up

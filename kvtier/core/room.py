@@ -1,6 +1,6 @@
-"""What one pool's tiers have room for: the blocks on their way in, the clean blocks a full tier
-can drop at once, and the rule that keeps a chain's head on the node while its extensions are
-here. Pure: no I/O, no clock.
+"""What one pool's tiers have room for: the blocks on their way in (and the prefetched ones
+waiting for room), the clean blocks a full tier can drop at once, and the rule that keeps a
+chain's head on the node while its extensions are here. Pure: no I/O; time is passed in.
 
 `Placement` (kvtier/core/policy.py) is a Room: its decisions mark what they send in flight here,
 and ask here how much room a tier has. The tier workers' make-room rule (core/eviction.py
@@ -72,6 +72,18 @@ class Room(Residency):
         super().__init__(tiers)
         self._incoming: dict[Tier, InFlight] = {t: InFlight() for t in LOCAL}
         self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
+        # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
+        # first): key -> (parent, give-up time). Promoted as shedding frees room (core/promotion.py).
+        self._wanted: dict[BlockKey, tuple[BlockKey | None, float]] = {}
+
+    def _expire(self, now: float) -> None:
+        """Give up what has been in flight, leased or waiting since before `now`."""
+        for key in [k for k, until in self._leases.items() if until <= now]:
+            del self._leases[key]
+        for key in [k for k, (_, until) in self._wanted.items() if until <= now]:
+            del self._wanted[key]
+        for pending in self._incoming.values():
+            pending.expire(now)
 
     def incoming(self, t: Tier) -> int:
         """Blocks on their way into `t` that its index does not hold yet. (Once the worker has

@@ -2,10 +2,12 @@
 
 The lifecycle reads like uvicorn's: `startup()` acquires the resources in order (node lock,
 Redis, segments, metrics, descriptor, chores) and registers each one's teardown on an
-AsyncExitStack the moment it is acquired; `serve()` runs the consumers until the stop event,
-then lets in-flight work finish within the grace period; `shutdown()` unwinds the stack, so
-teardown is the exact reverse of acquisition, and a startup that fails halfway releases just
-what it had acquired. `run()` is the three in a row.
+AsyncExitStack the moment it is acquired; `serve()` runs the consumers (tasks of its TaskGroup)
+until the stop event, then lets in-flight work finish within the grace period; `shutdown()`
+unwinds the stack, so teardown is the exact reverse of acquisition, and a startup that fails
+halfway releases just what it had acquired. `run()` is the three in a row. The chores are tasks
+of a second TaskGroup, which startup() opens and shutdown() closes, since they must run through
+serve()'s drain (daemon/chores.py).
 """
 
 from __future__ import annotations
@@ -150,8 +152,8 @@ class Daemon:
             stack.enter_context(descriptor(self.runtime_dir, self._descriptor(url, bus_url, gid)))
             stack.callback(self._write_stats)  # the final stats, once the chores have stopped
             stack.callback(lambda: staging.reap(self._client_drops))  # ... with the clients' last drops
-            chores = Chores(self.log)
-            stack.push_async_callback(chores.aclose)
+            # The chores' TaskGroup lives until shutdown(): past serve()'s drain (daemon/chores.py).
+            chores = await stack.enter_async_context(Chores(self.log))
             self._start_chores(chores, bus, staging)
             self._stack = stack.pop_all()
 
@@ -161,10 +163,11 @@ class Daemon:
         async with asyncio.TaskGroup() as tg:
             work = [tg.create_task(c.run(), name=f"consumer-{i}") for i, c in enumerate(self.consumers)]
             watch = [tg.create_task(self._watch_embedded(self.embedded))] if self.embedded is not None else []
-            self.notifier.notify("READY=1", f"STATUS=serving {len(self.pools)} pool(s)", f"MAINPID={os.getpid()}")
             self.ready_s = round(time.monotonic() - self.started, 3)
+            # The line first: whoever hears READY=1 may read the log for it at once.
             self.log.info("daemon.ready", pools=sorted(self.pools), pid=os.getpid(), ready_s=self.ready_s,
                           populating=sorted(self.populations))
+            self.notifier.notify("READY=1", f"STATUS=serving {len(self.pools)} pool(s)", f"MAINPID={os.getpid()}")
             self.ready.set()
             await stop.wait()
             self.notifier.notify("STOPPING=1")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any, get_type_hints
 
 from kvtier.config import ArenaConfig, PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
@@ -19,6 +22,23 @@ from kvtier.tiers.arena_fill import ArenaFill, plan_chunks
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.stats import PoolCounters
+
+# How a `[policy]` value becomes the type its knob takes (any other is taken as it is).
+_KNOB_TYPES: dict[Any, Callable[[Any], Any]] = {RedisWrite: RedisWrite, Tier: lambda label: Tier[label.upper()]}
+
+
+def policy_knobs(policy: PolicyConfig) -> PolicyKnobs:
+    """The core's knobs from the config's `[policy]` section: each knob PolicyKnobs declares is
+    the config key of its name (whose check and default the config declares), converted to the
+    knob's type. A knob the config lacks fails here (AttributeError), never takes a default
+    (tests/unit/test_config.py holds the two to the same names)."""
+    types = get_type_hints(PolicyKnobs)
+    return PolicyKnobs(**{f.name: _KNOB_TYPES.get(types[f.name], _same)(getattr(policy, f.name))
+                          for f in fields(PolicyKnobs)})
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def segment_name(node: str, pool: str, part: str) -> str:
@@ -96,18 +116,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         log.info("pool.gpu_ready", device=str(device) if device_type != "cpu" else "cpu", blocks=cfg.gpu_blocks,
                  block_bytes=bb)
 
-    knobs = PolicyKnobs(
-        high_watermark=policy.high_watermark,
-        low_watermark=policy.low_watermark,
-        promote_after_hits=policy.promote_after_hits,
-        prefetch_lease_s=policy.prefetch_lease_s,
-        transfer_timeout_s=policy.transfer_timeout_s,
-        redis_write=RedisWrite(policy.redis_write),
-        redis_admit_after_hits=policy.redis_admit_after_hits,
-        prefetch_to=Tier[policy.prefetch_to.upper()],
-        promote_remote_after_reads=policy.promote_remote_after_reads,
-    )
-    placement = Placement(cfg.name, indices, knobs)  # from here on the one owner of the indices
+    placement = Placement(cfg.name, indices, policy_knobs(policy))  # from here on the one owner of the indices
     table = arena.table
     cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
     fill = ArenaFill(cpu_tier, arena.filler, arena.backing, arena.warm,

@@ -35,6 +35,7 @@ from redis.exceptions import (
 )
 
 from kvtier.store.bulk_protocol import MAX_LINE, BulkProtocol, BulkUnusable, Landing, Outcome, WrongLength
+from kvtier.store.ops import Op
 
 __all__ = ["MAX_LINE", "BulkConnection", "BulkPool", "BulkProtocol", "BulkUnusable", "Endpoint", "Landing",
            "WrongLength", "land", "pack"]
@@ -96,9 +97,9 @@ class BulkConnection:
         conn = cls(proto, ep)
         setup: list[list[bytes | str | int]] = []
         if ep.password is not None:
-            setup.append(["AUTH", *([ep.username] if ep.username else []), ep.password])
+            setup.append([Op.AUTH, *([ep.username] if ep.username else []), ep.password])
         if ep.db:
-            setup.append(["SELECT", ep.db])
+            setup.append([Op.SELECT, ep.db])
         if setup:
             replies = await proto.call(pack(*setup), [None] * len(setup), ep.timeout)
             bad = next((r for r in replies if isinstance(r, Exception)), None)
@@ -118,9 +119,9 @@ class BulkConnection:
         expect: list[Landing | None] = []
         for name, land in zip(names, landings):
             if asking:
-                cmds.append(["ASKING"])
+                cmds.append([Op.ASKING])
                 expect.append(None)
-            cmds.append(["GET", name])
+            cmds.append([Op.GET, name])
             expect.append(land)
         replies = await self.proto.call(pack(*cmds), expect, self.endpoint.timeout)
         return [r for r, e in zip(replies, expect) if e is not None]  # type: ignore[misc]

@@ -30,8 +30,9 @@ from redis.exceptions import AskError, MovedError, RedisClusterException, SlotNo
 
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.store.bulk_reads import BulkPool, Endpoint, land
-from kvtier.store.commands import GET_INTO, Command, Outcome, bounded_gather, key_of, pipelines, run_part
+from kvtier.store.commands import Command, Outcome, bounded_gather, key_of, pipelines, run_part
 from kvtier.store.master_health import MasterHealth, ReloadPacing
+from kvtier.store.ops import Op
 
 BULK_CONNECTIONS = 8  # bulk-read connections kept per master
 MAX_REDIRECTS = 5  # rounds of MOVED/ASK/TRYAGAIN per batch before the redirect is the outcome
@@ -181,13 +182,13 @@ class ClusterBatches:
             conn = node.acquire_connection()
             try:
                 # A GET_INTO goes as a plain GET here (ASK is rare: the bytes are landed after).
-                wire = [("GET", commands[i][1]) if commands[i][0] == GET_INTO else commands[i] for i in idx]
-                await conn.send_packed_command(conn.pack_commands([p for c in wire for p in (("ASKING",), c)]))
+                wire = [(Op.GET, commands[i][1]) if commands[i][0] is Op.GET_INTO else commands[i] for i in idx]
+                await conn.send_packed_command(conn.pack_commands([p for c in wire for p in ((Op.ASKING,), c)]))
                 for i, c in zip(idx, wire):
                     await conn.read_response()  # +OK
                     try:
                         reply = await node.parse_response(conn, c[0])
-                        out[i] = land(reply, commands[i][2]) if commands[i][0] == GET_INTO else reply
+                        out[i] = land(reply, commands[i][2]) if commands[i][0] is Op.GET_INTO else reply
                     except REDIS_ERRORS as e:
                         if is_outage(e):
                             raise

@@ -7,17 +7,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from kvtier.store.bulk_reads import BulkPool, BulkUnusable, land
+from kvtier.store.ops import SCRIPTS, Op
 
-Command: TypeAlias = tuple[Any, ...]  # ("GET", name), ("SET", name, value, "EX", ttl), ("EVAL", script, 1, name, ...)
-# ("GET_INTO", name, Landing): a GET whose value lands in the caller's buffers (store/bulk_reads.py);
-# its outcome is True (landed), None (absent), or the error. A batch holds these or others, not both.
-GET_INTO = "GET_INTO"
+# The command's name (an `Op`) and its arguments: (Op.GET, name), (Op.SET, name, value, EX, ttl),
+# (Op.EVAL, script, 1, name, ...). (Op.GET_INTO, name, Landing): a GET whose value lands in the
+# caller's buffers (store/bulk_reads.py); its outcome is True (landed), None (absent), or the
+# error. A batch holds GET_INTOs or others, not both.
+Command: TypeAlias = tuple[Any, ...]
 Outcome: TypeAlias = Any  # a reply, or the exception the command met
 
 
 def key_of(command: Command) -> Any:
     """The one key of a single-key command (a script's is after its key count)."""
-    return command[3] if command[0] in ("EVAL", "EVALSHA") else command[1]
+    return command[3] if command[0] in SCRIPTS else command[1]
 
 
 class KeyBatches(Protocol):
@@ -65,7 +67,7 @@ async def run_part(pipeline: Callable[[], Any], execute: dict[str, Any], bulk: B
     commands as a redis-py pipeline (`pipeline()`, executed with `execute`)."""
     if not idx:
         return
-    if commands[idx[0]][0] == GET_INTO:
+    if commands[idx[0]][0] is Op.GET_INTO:
         names = [commands[i][1] for i in idx]
         landings = [commands[i][2] for i in idx]
         if bulk is not None:
@@ -74,7 +76,7 @@ async def run_part(pipeline: Callable[[], Any], execute: dict[str, Any], bulk: B
                 for i, g in zip(idx, got):
                     out[i] = g
                 return
-        raw = await _redis_py(pipeline, execute, [("GET", n) for n in names])
+        raw = await _redis_py(pipeline, execute, [(Op.GET, n) for n in names])
         for i, r, land_at in zip(idx, raw, landings):
             out[i] = land(r, land_at)
         return

@@ -24,7 +24,8 @@ from kvtier.offload import run_off_loop
 from kvtier.shm.slots import checksum
 from kvtier.store.batches import batches_for
 from kvtier.store.bulk_reads import Landing, WrongLength
-from kvtier.store.commands import GET_INTO, bounded_gather, pipelines
+from kvtier.store.commands import bounded_gather, pipelines
+from kvtier.store.ops import EX, Op
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -130,15 +131,15 @@ class RedisBlocks:
         return reply
 
     def _ex(self) -> tuple[Any, ...]:
-        return ("EX", self.ttl_s) if self.ttl_s else ()
+        return (EX, self.ttl_s) if self.ttl_s else ()
 
     async def put(self, key: bytes, payload: npt.NDArray[Any], csum: int) -> None:
-        await self._one(("SET", self.name(key), pack_block(self.fingerprint, key, payload, csum), *self._ex()))
+        await self._one((Op.SET, self.name(key), pack_block(self.fingerprint, key, payload, csum), *self._ex()))
 
     async def put_many(self, items: list[tuple[bytes, memoryview]]) -> list[Exception | None]:
         """SET packed values (`seal`), pipelined; per item, None or the error Redis gave (on a
         cluster, a master that is down fails only the items it serves)."""
-        replies = await self.batches.run([("SET", self.name(key), value, *self._ex()) for key, value in items],
+        replies = await self.batches.run([(Op.SET, self.name(key), value, *self._ex()) for key, value in items],
                                          per_pipeline=self.per_pipeline, width=self.connections)
         return [r if isinstance(r, Exception) else None for r in replies]
 
@@ -175,7 +176,7 @@ class RedisBlocks:
 
         async def part(idx: Sequence[int]) -> None:
             landed = await self.batches.run(
-                [(GET_INTO, self.name(keys[i]), Landing(heads[i].data, bodies[i].data)) for i in idx])
+                [(Op.GET_INTO, self.name(keys[i]), Landing(heads[i].data, bodies[i].data)) for i in idx])
             found = []
             for i, got in zip(idx, landed):
                 if got is True:
@@ -214,7 +215,7 @@ class RedisBlocks:
 
     async def get(self, key: bytes) -> Verified | None:
         """The verified payload and checksum, or None when absent or corrupt (then deleted)."""
-        raw = await self._one(("GET", self.name(key)))
+        raw = await self._one((Op.GET, self.name(key)))
         if raw is None:
             return None
         return await self._verified(key, cast(bytes, raw))  # decode_responses=False: never str
@@ -233,12 +234,12 @@ class RedisBlocks:
         self.log.warning("redis.corrupt_block", key=key.hex(), reason=str(e))
         try:
             if raw is None:
-                again = await self._one(("GET", self.name(key)))
+                again = await self._one((Op.GET, self.name(key)))
                 if not isinstance(again, bytes) or len(again) == BLK_HDR.size + self.block_bytes:
                     return  # gone, or rewritten to the right size meanwhile: judged on its next read
                 raw = again
             digest = hashlib.sha1(raw, usedforsecurity=False).hexdigest()
-            await self._one(("EVAL", DELETE_IF_SAME, 1, self.name(key), digest))  # a rare path: no EVALSHA cache
+            await self._one((Op.EVAL, DELETE_IF_SAME, 1, self.name(key), digest))  # a rare path: no EVALSHA cache
         except REDIS_ERRORS as de:
             self.log.warning("redis.delete_failed", key=key.hex(), error=str(de))
 
@@ -247,9 +248,9 @@ class RedisBlocks:
         await self.batches.aclose()
 
     async def delete(self, key: bytes) -> bool:
-        return bool(await self._one(("DEL", self.name(key))))
+        return bool(await self._one((Op.DEL, self.name(key))))
 
     async def exists(self, keys: list[bytes]) -> list[bool | Exception]:
         """Per key, whether Redis holds it, or the error that kept it from answering."""
-        replies = await self.batches.run([("EXISTS", self.name(k)) for k in keys])
+        replies = await self.batches.run([(Op.EXISTS, self.name(k)) for k in keys])
         return [r if isinstance(r, Exception) else bool(r) for r in replies]

@@ -1,4 +1,9 @@
-"""The facts a tier worker reports in a batch, with the counters and log lines that go with them."""
+"""The facts a tier worker reports in a batch, with the counters and log lines that go with them.
+
+What a command's outcome is (its fact, its counter, what it means for Redis's copy) is decided by
+the pure rules in kvtier/core/outcomes.py; here it is applied: counted, told to the pool, logged,
+and queued for the batch's publish.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,12 @@ import time
 
 from structlog.typing import FilteringBoundLogger
 
-from kvtier.core.events import Cause, Copy, Demote, Failure, Promote, Removed, Store, Stored, Tier
+from kvtier.core.events import Removed, Store, Stored, Tier
+from kvtier.core.outcomes import MOVED_IN, Count, Fact, Outcome, Received
 from kvtier.logs import LogThrottle
 from kvtier.tiers.pool import PoolRuntime
 
-Fact = Stored | Removed
-Received = Store | Promote | Demote | Copy  # a command that brings a block into a tier
+__all__ = ["Fact", "Facts", "Received"]
 
 
 class Facts:
@@ -38,29 +43,28 @@ class Facts:
         facts, self._facts = self._facts, []
         return facts
 
-    def stored(self, rt: PoolRuntime, ev: Received, slot: int) -> Stored:
-        """Count a completed store or transfer into this tier and make its fact."""
+    def settle(self, rt: PoolRuntime, o: Outcome, ev: Received | None = None, detail: str = "") -> Fact | None:
+        """Apply an outcome in this tier: count it, tell the pool what Redis holds now, log it
+        (`ev`: the command, `detail`: what the I/O met). Its fact, for `report`."""
         c = rt.counters.tiers[self.tier.label]
-        if isinstance(ev, Store):
-            c.stored += 1
-        elif isinstance(ev, Promote):
-            c.promoted_in += 1
-        elif isinstance(ev, Demote):
-            c.demoted_in += 1
-        else:
-            c.copied_in += 1
-        c.bytes_in += rt.layout.block_bytes
-        if not isinstance(ev, Store):
-            self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
-        return Stored(rt.name, ev.key, ev.parent, self.tier, slot, Cause(ev.TYPE))
-
-    def failed(self, rt: PoolRuntime, ev: Received, why: Failure, detail: str, dropped: bool = False) -> Removed:
-        """Count a store or transfer into this tier that did not complete (`dropped`: a client's
-        put is lost with it) and make its fact."""
-        rt.counters.tiers[self.tier.label].failed += 1
-        if dropped:
+        if o.count is not None:
+            c.add(o.count)
+            if o.count in MOVED_IN:
+                c.bytes_in += rt.layout.block_bytes
+        if o.dropped:
             rt.counters.puts_dropped += 1
-        line = {"pool": rt.name, "op": ev.TYPE, "key": ev.key.hex()[:16], "why": why.value, "detail": detail}
-        self.log.debug("tier.transfer_failed", **line)  # every one, at debug
-        self.quiet.warning("tier.transfer_failed", per=(rt.name, ev.TYPE, why), **line)
-        return Removed(rt.name, ev.key, self.tier, Cause(ev.TYPE), why)
+        if o.redis_error:
+            rt.redis.stats.errors += 1
+        fact = o.fact
+        if isinstance(fact, Stored) and o.in_redis:
+            rt.in_redis(fact.key, fact.parent)
+        elif fact is not None and o.in_redis is False:
+            rt.not_in_redis(fact.key)
+        if isinstance(fact, Removed) and o.count is Count.FAILED:
+            line = {"pool": rt.name, "op": fact.cause.value, "key": fact.key.hex()[:16], "why": fact.why.value,
+                    "detail": detail}
+            self.log.debug("tier.transfer_failed", **line)  # every one, at debug
+            self.quiet.warning("tier.transfer_failed", per=(rt.name, fact.cause.value, fact.why), **line)
+        elif ev is not None and o.count in MOVED_IN and not isinstance(ev, Store):
+            self.log.debug("tier.transfer", pool=rt.name, op=ev.TYPE, src=ev.src.label, key=ev.key.hex()[:16])
+        return fact

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kvtier.core.events import Failure, Store
+from kvtier.core.events import Store
 from kvtier.core.index import Entry
+from kvtier.core.outcomes import read, stored, written
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
 from kvtier.offload import map_shares
@@ -58,7 +59,7 @@ class StagedStores:
         e = await self.writes.reserve(rt, dst, ev.key, ev.parent)
         if e is None:
             self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
-            return self.facts.failed(rt, ev, Failure.NO_ROOM, NO_ROOM, dropped=True)
+            return self.facts.settle(rt, written(ev, dst.tier, None), ev, NO_ROOM)
         self._stores.append(StagedStore(rt, ev, dst, e, staging, t0))
         self._blocks.add((rt.name, ev.key))
         self.nbytes += rt.layout.block_bytes
@@ -80,14 +81,13 @@ class StagedStores:
         self.failpoints.reached("shm_written")
         for s, got in zip(stores, results):
             self.staging.release(s.ev.segment, s.rt.layout.block_bytes, s.ev.slot, s.ev.gen)
-            fact: Fact
-            if got is None or isinstance(got, OSError):
-                s.rt.abort(s.dst, s.entry)
-                why, detail = (Failure.VERIFY, CHANGED) if got is None else (Failure.BAD_STAGING, str(got))
-                fact = self.facts.failed(s.rt, s.ev, why, detail, dropped=True)
+            outcome, detail = read(s.ev, s.dst.tier, got), ""
+            if outcome is None:
+                outcome = stored(s.ev, s.dst.tier, s.rt.finish(s.dst, s.entry).slot)
             else:
-                fact = self.facts.stored(s.rt, s.ev, s.rt.finish(s.dst, s.entry).slot)
-            self.facts.report(s.rt, fact, s.t0)
+                s.rt.abort(s.dst, s.entry)
+                detail = CHANGED if got is None else str(got)
+            self.facts.report(s.rt, self.facts.settle(s.rt, outcome, s.ev, detail), s.t0)
 
 
 async def fill(stores: list[StagedStore], off_loop_bytes: int, threads: int) -> list[Filled]:

@@ -6,6 +6,8 @@ import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.core.outcomes import Count
+
 # Upper bounds of the transfer-latency histogram buckets, in seconds.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -27,6 +29,10 @@ class TierCounters:
     transfer_max_s: float = 0.0
     # Transfer times per bucket of LATENCY_BUCKETS_S (the last: slower than all of them).
     transfer_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+
+    def add(self, what: Count) -> None:
+        """One more of what an outcome counts (kvtier/core/outcomes.py: each Count names a field)."""
+        setattr(self, what.value, getattr(self, what.value) + 1)
 
     def timed(self, seconds: float) -> None:
         self.transfers += 1

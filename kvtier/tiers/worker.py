@@ -7,8 +7,10 @@ idempotent, because delivery is at least once. A failed transfer is a `removed` 
 command's cause and a `Failure`, a counter and a log line, never a half-visible block.
 
 The worker does the I/O: copies, Redis pipelines (kvtier/tiers/redis_batch.py), publishing
-facts. What may leave a tier is decided by the pure rules in kvtier/core/eviction.py, and the
-tier indices change only through the pool's Placement, which owns them.
+facts. What each command's outcome is (its fact, its counter, what it means for Redis's copy) is
+decided by the pure rules in kvtier/core/outcomes.py, what may leave a tier by those in
+kvtier/core/eviction.py, and the tier indices change only through the pool's Placement, which
+owns them.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from structlog.typing import FilteringBoundLogger
 
 from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.core.events import Cause, Copy, Demote, Event, Evict, Failure, Promote, Store, Stored, Tier
+from kvtier.core.events import Copy, Demote, Event, Evict, Failure, Promote, Store, Tier
 from kvtier.core.fence import CommandFence
+from kvtier.core.outcomes import failed, held, read, sent, written
 from kvtier.errors import MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
@@ -66,7 +69,7 @@ class TierWorker:
         self.failpoints = failpoints or Failpoints()
         self.flush_bytes = flush_bytes  # queued Redis and staging bytes that send the batch so far
         self.copy_threads = copy_threads
-        self.evictions = Evictions(tier, self.log)
+        self.evictions = Evictions(tier, self.facts, self.log)
         self.writes = LocalWrites(tier, self.evictions, self.facts, self.failpoints, off_loop_bytes)
         # Queued for the end of the batch: stores from staging into reserved shared-memory slots;
         # Redis SETs (the redis worker) and GETs (promotes from Redis).
@@ -144,11 +147,11 @@ class TierWorker:
         stores = self._staged.take()
         sets, gets = self._redis.take()
         await self._staged.drain(stores)
-        wrote, read = await self._redis.send(sets, gets)
+        wrote, got = await self._redis.send(sets, gets)
         for w, err in wrote:
-            self.facts.report(w.rt, self._wrote(w.rt, w.ev, err), w.t0)
-        for r, got in read:
-            self.facts.report(r.rt, await self._promoted(r.rt, r.ev, got, r.t0), r.t0)
+            self.facts.report(w.rt, self.facts.settle(w.rt, sent(w.ev, err), w.ev, _error(err)), w.t0)
+        for r, value in got:
+            self.facts.report(r.rt, await self._promoted(r.rt, r.ev, value, r.t0), r.t0)
 
     # --- store: client staging -> this tier ---------------------------------------------------
 
@@ -162,11 +165,10 @@ class TierWorker:
             if not 0 <= ev.slot < staging.n:
                 raise SegmentError(f"slot {ev.slot} outside staging of {staging.n} slots")
         except SegmentError as e:
-            return self.facts.failed(rt, ev, Failure.BAD_STAGING, str(e), dropped=True)
-        held = rt.placement.tiers[self.tier].get(ev.key)
-        if held is not None:  # duplicate delivery, or another client put it first
+            return self.facts.settle(rt, failed(ev, self.tier, Failure.BAD_STAGING), ev, str(e))
+        if (here := held(rt.placement, ev, self.tier)) is not None:  # a duplicate, or another client put it first
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
-            return Stored(rt.name, ev.key, ev.parent, self.tier, held.slot, Cause.STORE)
+            return self.facts.settle(rt, here, ev)
         if dst is not None and dst.device_payload is None:
             return await self._staged.queue(rt, dst, ev, staging, t0)
         # The redis worker (a put with no local room, written through) reads straight into the
@@ -175,21 +177,21 @@ class TierWorker:
         try:
             csum = await self.writes.off_loop(bb, staging.read_into, ev.slot, ev.key, ev.gen, buf)
         except OSError as e:
-            return self.facts.failed(rt, ev, Failure.BAD_STAGING, str(e), dropped=True)
+            return self.facts.settle(rt, failed(ev, self.tier, Failure.BAD_STAGING), ev, str(e))
         self.staging.release(ev.segment, bb, ev.slot, ev.gen)  # copied (or bad): the client may reuse it
-        if csum is None:
-            return self.facts.failed(rt, ev, Failure.VERIFY, CHANGED, dropped=True)
+        if (bad := read(ev, self.tier, csum)) is not None:
+            return self.facts.settle(rt, bad, ev, CHANGED)
+        assert csum is not None
         return await self._put(rt, ev, dst, value, buf, csum, t0)
 
     # --- promote / demote / copy: another tier -> this tier -------------------------------------
 
     async def _transfer(self, rt: PoolRuntime, ev: Transfer, t0: float) -> Fact | None:
         dst = rt.local(self.tier)
-        if self.tier != Tier.REDIS:
-            if dst is None:
-                raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
-            if (have := dst.index.get(ev.key)) is not None:
-                return Stored(rt.name, ev.key, ev.parent, self.tier, have.slot, Cause(ev.TYPE))
+        if dst is None and self.tier != Tier.REDIS:
+            raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
+        if (here := held(rt.placement, ev, self.tier)) is not None:
+            return self.facts.settle(rt, here, ev)
         if ev.src == Tier.REDIS:
             if self.tier == Tier.REDIS:
                 raise MalformedEvent(f"{ev.TYPE} from redis to redis")
@@ -202,33 +204,18 @@ class TierWorker:
         csum = None
         if src is not None and slot is not None:
             csum = await self.writes.off_loop(buf.nbytes, src.read_slot, slot, ev.key, buf)
-        if csum is None:
-            return self.facts.failed(rt, ev, Failure.SOURCE_MISS, f"{ev.src.label} no longer holds a valid copy")
+        if (bad := read(ev, self.tier, csum)) is not None:
+            return self.facts.settle(rt, bad, ev, f"{ev.src.label} no longer holds a valid copy")
+        assert csum is not None
         return await self._put(rt, ev, dst, value, buf, csum, t0)
 
     async def _promoted(self, rt: PoolRuntime, ev: Transfer, got: Got, t0: float) -> Fact | None:
-        """A block read from Redis: store it here, or report the miss."""
-        if isinstance(got, Exception):  # Redis, or the cluster master serving the key, is unreachable
-            rt.redis.stats.errors += 1  # the failed fact logs it (tier.transfer_failed)
-            return self.facts.failed(rt, ev, Failure.REDIS, f"{type(got).__name__}: {got}")
-        if got is None:  # expired, evicted or corrupt there: stop believing in it
-            rt.not_in_redis(ev.key)
-            return self.facts.failed(rt, ev, Failure.SOURCE_MISS, "redis no longer holds a valid copy")
-        fact = await self._put(rt, ev, rt.local(self.tier), None, got[0], got[1], t0)
-        if isinstance(fact, Stored):
-            # It came from Redis, so Redis holds it: this tier may drop it again without writing
-            # it back (an evict, not a demote), and make room with it when full.
-            rt.in_redis(ev.key, ev.parent)
-        return fact
-
-    def _wrote(self, rt: PoolRuntime, ev: Received, err: Exception | None) -> Fact:
-        if err is not None:
-            rt.redis.stats.errors += 1
-            if isinstance(ev, Store):
-                rt.counters.puts_dropped += 1
-            return self.facts.failed(rt, ev, Failure.REDIS, f"{type(err).__name__}: {err}")
-        rt.in_redis(ev.key, ev.parent)
-        return self.facts.stored(rt, ev, -1)
+        """A block read from Redis: store it here (then Redis is known to hold it, so this tier
+        may drop it again without writing it back), or report the miss."""
+        if (bad := read(ev, self.tier, got)) is not None:  # unreachable, or expired, evicted or corrupt there
+            return self.facts.settle(rt, bad, ev, _error(got) or "redis no longer holds a valid copy")
+        assert got is not None and not isinstance(got, Exception)
+        return await self._put(rt, ev, rt.local(self.tier), None, got[0], got[1], t0)
 
     # --- into this tier -------------------------------------------------------------------------
 
@@ -241,9 +228,12 @@ class TierWorker:
             return None
         assert dst is not None  # a local tier's worker, checked on receipt
         entry = await self.writes.write(rt, dst, ev.key, ev.parent, buf, csum)
-        if entry is None:
-            return self.facts.failed(rt, ev, Failure.NO_ROOM, NO_ROOM, dropped=isinstance(ev, Store))
-        return self.facts.stored(rt, ev, entry.slot)
+        return self.facts.settle(rt, written(ev, self.tier, entry), ev, NO_ROOM)
+
+
+def _error(err: object) -> str:
+    """An I/O error as a log line's detail ("" for none)."""
+    return f"{type(err).__name__}: {err}" if isinstance(err, Exception) else ""
 
 
 def _target(ev: Received | Evict) -> Tier:

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from kvtier.tools.bench import GB, _say, finish, sizes
+from kvtier.tools.bench_basics import GB, say, sizes
 from kvtier.tools.bench_env import Env
 from kvtier.tools.bench_redis import best_of
+from kvtier.tools.bench_report import finish
 from kvtier.tools.redis_cluster import LocalCluster
 
 THROUGH = '[policy]\nredis_write = "write-through"\n'
@@ -119,9 +120,9 @@ def run_masters(masters: int, layout: dict, n: int, repeat: int, tmp: Path) -> d
 
     bb = BlockLayout(**layout).block_bytes
     with LocalCluster.serving(tmp, masters=masters) as cluster:
-        _say(f"{masters} master(s): redis tier against raw cluster pipelines, {n} blocks of {bb / (1 << 20):.2f} MiB")
+        say(f"{masters} master(s): redis tier against raw cluster pipelines, {n} blocks of {bb / (1 << 20):.2f} MiB")
         res = uvloop.run(redis_rows(cluster.url, layout, n, repeat))  # the daemon's loop
-        _say(f"{masters} master(s): node B pulls node A's {n}-block chain")
+        say(f"{masters} master(s): node B pulls node A's {n}-block chain")
         for node in ("a", "b"):
             (tmp / f"{node}{masters}").mkdir()
         a = Env(layout, int(repeat * n / 0.85) + 16, tmp / f"a{masters}", redis_url=cluster.url, policy_toml=THROUGH)

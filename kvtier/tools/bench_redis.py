@@ -156,3 +156,11 @@ async def redis_tier_vs_raw(url: str, layout: dict, n: int, repeat: int, make_cl
     finally:
         await client.aclose()
         await raw.aclose()
+
+
+async def redis_row(url: str, layout: dict, n: int, repeat: int, out: dict) -> None:
+    """`kvtier bench`'s redis rows: the redis tier's pipelined write and verified read (what demote
+    and promote run), each against the best raw redis-py SETs and GETs of the same bytes."""
+    from kvtier.bus.connect import make_blocks_redis, make_redis
+
+    out["redis"] = await redis_tier_vs_raw(url, layout, n, repeat, make_blocks_redis, make_redis)

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvtier.tools.bench import GB, render
+from kvtier.tools.bench_basics import GB
 from kvtier.tools.bench_env import Env, pool_toml
+from kvtier.tools.bench_report import render
 
 PAGED = dict(model="llama3-8b-vllm", layers=32, kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
 TINY_PAGED = dict(model="tiny-vllm", layers=2, kv_heads=2, head_dim=32, block_tokens=32, dtype="float16")
@@ -47,7 +48,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     from kvtier.client.sync import SyncClient
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks
-    from kvtier.integrations.vllm.connector_link import DaemonLink
+    from kvtier.integrations.vllm.connector_link import connector_link
     from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
     from kvtier.integrations.vllm.connector_worker import WorkerMover
 
@@ -59,7 +60,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     ns = KeyNamespace(layout["model"], "bench", bs, layout["layers"], layout["kv_heads"], layout["head_dim"],
                       layout["dtype"], "bench", "cpu")
     settings = ConnectorSettings(pool="b", runtime_dir=str(env.rdir), staging_blocks=n, call_timeout_s=120)
-    link = DaemonLink(settings.runtime_dir, n, settings.retry_s)
+    link = connector_link(settings.pool, settings.runtime_dir, n, settings.retry_s, settings.call_timeout_s)
     mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), list(caches))
     mover.register(caches)
     raw = SyncClient(env.rdir, staging_blocks=n, timeout=120)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvtier.core.where import field, where_key
 from kvtier.store.redis_blocks import redis_block_key
-from kvtier.tools.bench import _say
+from kvtier.tools.bench_basics import say
 
 POOL = "bench"
 
@@ -94,7 +94,7 @@ def where_row(quick: bool, repeat: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvtier-where-") as work:
         server, url = start_redis(Path(work))
         try:
-            _say(f"where: {nodes} nodes' index entries for a {blocks}-block chain, against a bare lookup")
+            say(f"where: {nodes} nodes' index entries for a {blocks}-block chain, against a bare lookup")
             return asyncio.run(_measure(url, nodes, blocks, repeat))
         finally:
             stop_processes([server], 10)

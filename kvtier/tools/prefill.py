@@ -27,7 +27,7 @@ import numpy as np
 
 from kvtier.layout import BlockLayout
 from kvtier.processes import die_with_parent, stop_processes
-from kvtier.tools.bench import LLAMA, memcpy_gbps
+from kvtier.tools.bench_basics import LLAMA, memcpy_gbps
 from kvtier.tools.bench_env import Env
 from kvtier.tools.demo import make_trace, progress_line, shared_prompts, sum_reports
 

@@ -64,6 +64,7 @@ def check_arena(node: str, runtime_dir) -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 async def test_an_8gib_arena_serves_while_it_populates_and_a_kill_9_mid_population_serves_nothing_torn(
         daemon_factory):
     d = daemon_factory(node="big", persist_arena=True, pools_toml=BIG_POOL,

@@ -22,6 +22,8 @@ from kvtier.keys import BlockKey
 from tests.support.redis_proc import RedisProcess
 from tests.support.waiting import async_wait_until
 
+pytestmark = pytest.mark.integration
+
 NAMES = StreamNames("node-a")
 STREAM = NAMES.client
 GROUP = "workers"
@@ -102,7 +104,6 @@ async def dlq_entries(aredis) -> list[dict[bytes, bytes]]:
     return [fields for _, fields in await aredis.xrange(NAMES.dlq)]
 
 
-@pytest.mark.integration
 async def test_publish_consume_roundtrip(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=7, maxlen=1000)
     rec = Recorder()
@@ -120,7 +121,6 @@ async def test_publish_consume_roundtrip(aredis) -> None:
 
 
 
-@pytest.mark.integration
 async def test_publish_many_uses_one_pipeline(aredis, monkeypatch) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     assert await pub.publish_many([]) == []
@@ -138,7 +138,6 @@ async def test_publish_many_uses_one_pipeline(aredis, monkeypatch) -> None:
     assert seqs == [1, 2, 3]
 
 
-@pytest.mark.integration
 async def test_malformed_entries_are_dead_lettered_without_blocking_good_ones(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     short = Access(pool="p", keys=(b"x" * 31,), missed=0)  # type: ignore[arg-type]
@@ -172,7 +171,6 @@ async def test_malformed_entries_are_dead_lettered_without_blocking_good_ones(ar
     assert len(letters) == 4 and all(e["reason"] for e in letters)
 
 
-@pytest.mark.integration
 async def test_failing_handler_is_redelivered_then_dead_lettered(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     bad_id = await pub.publish(STREAM, access("bad"))
@@ -193,7 +191,7 @@ async def test_failing_handler_is_redelivered_then_dead_lettered(aredis) -> None
     assert len(errors) == 3 and all(e.get("exc_info") for e in errors)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 async def test_an_outage_of_the_handlers_redis_is_not_held_against_its_entries(aredis, tmp_path) -> None:
     """The handler writes to another Redis (the blocks Redis), which is down for more than
     max_deliveries reclaim cycles: those failed deliveries say nothing about the entry, so it is
@@ -233,7 +231,6 @@ async def _deliver_without_ack(aredis, consumer_name: str, n: int) -> list[bytes
     return ids
 
 
-@pytest.mark.integration
 async def test_second_consumer_reclaims_dead_consumers_entries(aredis) -> None:
     ids = await _deliver_without_ack(aredis, "dead", 3)
     rec = Recorder()
@@ -245,7 +242,6 @@ async def test_second_consumer_reclaims_dead_consumers_entries(aredis) -> None:
     assert consumer.stats.reclaimed == 3
 
 
-@pytest.mark.integration
 async def test_restart_rereads_own_pending_history(aredis) -> None:
     ids = await _deliver_without_ack(aredis, "c1", 2)
     rec = Recorder()
@@ -256,7 +252,6 @@ async def test_restart_rereads_own_pending_history(aredis) -> None:
     assert [d.entry_id for d in rec.seen] == ids
 
 
-@pytest.mark.integration
 async def test_poison_entry_in_own_history_is_dead_lettered(aredis) -> None:
     """An entry that kept crashing the process (no exception to catch) stops at max_deliveries."""
     [entry_id] = await _deliver_without_ack(aredis, "c1", 1)
@@ -272,7 +267,6 @@ async def test_poison_entry_in_own_history_is_dead_lettered(aredis) -> None:
     assert dead[b"id"] == entry_id and dead[b"reason"] == b"max deliveries exceeded" and b"e" in dead
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("same_consumer", [True, False], ids=["history", "autoclaim"])
 async def test_trimmed_pending_entries_are_acked_and_counted(aredis, same_consumer: bool) -> None:
     await _deliver_without_ack(aredis, "c1" if same_consumer else "dead", 2)
@@ -286,7 +280,6 @@ async def test_trimmed_pending_entries_are_acked_and_counted(aredis, same_consum
     assert rec.seen == [] and consumer.stats.dead_lettered == 0
 
 
-@pytest.mark.integration
 async def test_group_recreated_after_stream_deleted(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     rec = Recorder()
@@ -305,7 +298,6 @@ async def test_group_recreated_after_stream_deleted(aredis) -> None:
     assert any(e["event"] == "bus.group_recreated" for e in logs)
 
 
-@pytest.mark.integration
 async def test_stop_finishes_and_acks_current_batch(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     gate = asyncio.Event()
@@ -325,7 +317,6 @@ async def test_stop_finishes_and_acks_current_batch(aredis) -> None:
     assert len(seen) == 3 and await pending(aredis) == 0 and consumer.stats.acked == 3
 
 
-@pytest.mark.integration
 async def test_cancel_propagates_and_acks_finished_work(aredis) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     never = asyncio.Event()
@@ -347,7 +338,6 @@ async def test_cancel_propagates_and_acks_finished_work(aredis) -> None:
     assert await pending(aredis) == 1 and consumer.stats.acked == 1  # the finished one was acked
 
 
-@pytest.mark.integration
 async def test_survives_redis_restart_without_spinning(tmp_path) -> None:
     server = RedisProcess.spawn(tmp_path)
     client = make_redis(server.url, socket_timeout=1.0, connect_timeout=0.5, retries=1)
@@ -379,7 +369,6 @@ def test_url_checks() -> None:
         make_redis("redis+cluster://127.0.0.1:7000/3", socket_timeout=1.0, connect_timeout=1.0, retries=1)
 
 
-@pytest.mark.integration
 async def test_constructor_checks(aredis) -> None:
     with pytest.raises(ValueError, match="socket timeout"):
         make_consumer(aredis, Recorder(), block_ms=2000)  # the blocking read would time out

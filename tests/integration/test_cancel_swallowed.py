@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import structlog
 from structlog.testing import capture_logs
 
 from kvtier.bus.connect import make_redis
 from kvtier.daemon.chores import Chores
 from kvtier.daemon.sampler import sample_streams
+
+pytestmark = pytest.mark.integration
 
 STREAMS = [f"kvtier:{{cancel}}:s{i}" for i in range(6)]
 
@@ -25,6 +28,7 @@ async def test_the_stream_sampler_ends_at_every_cancel_point(redis_url: str) -> 
         with capture_logs() as logs:
             for _ in range(60):
                 chores = Chores(log, stop_s=0.5)
+                await chores.open()
                 chores.start("stream-sampler", sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, log))
                 for _ in range(rng.randrange(1, 200)):  # a random point in the pipeline's round trip
                     await asyncio.sleep(0)

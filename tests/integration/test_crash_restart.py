@@ -98,6 +98,7 @@ def _check_segments(node: str, workers: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.timeout(120 + 8 * KILLS)
+@pytest.mark.slow
 def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server, tmp_path):
     d = daemon_factory(gpu=8, cpu=24, persist_arena=True)
     workers = start_demo_workers(d.runtime_dir, tmp_path, CLIENTS, prefixes=12)

@@ -47,6 +47,8 @@ from kvtier.shm.slots import checksum
 from kvtier.shm.staging import StagingSegments
 from kvtier.tiers.worker import TierWorker
 
+pytestmark = pytest.mark.integration
+
 POOL = PoolConfig(name="r", model="replay", layers=1, kv_heads=1, head_dim=8, block_tokens=4,
                   dtype="float16", device="cpu", gpu_blocks=4, cpu_blocks=8)
 # Leases and in-flight marks must not expire during a run: the replay runs slower than the original.

@@ -27,6 +27,7 @@ PREFIXES = 24  # ~380 blocks of shared prompts alone, against 16 + 48 local slot
 
 
 @pytest.mark.timeout(SOAK_S + 120)
+@pytest.mark.slow
 async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory, redis_server, tmp_path):
     d = daemon_factory(gpu=16, cpu=48)
     prompts = shared_prompts(PREFIXES)

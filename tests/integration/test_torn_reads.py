@@ -16,6 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from kvtier.layout import BlockLayout
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable, segment_bytes
@@ -43,6 +45,7 @@ def _result(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_no_false_success_under_a_rewriting_writer_process() -> None:
     fp = BlockLayout("m", 2, 2, 32, 16, "float16").fingerprint
     arena = ShmSegment.create(PREFIX + "arena", segment_bytes(SLOTS, BLOCK_BYTES))

@@ -14,9 +14,9 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kvtier.integrations.link import PoolMismatch
 from kvtier.integrations.sglang import KvtierHiCacheStorage
 from kvtier.integrations.sglang.hicache_config import ConfigError
-from kvtier.integrations.sglang.hicache_link import PoolMismatch
 from kvtier.store.redis_blocks import redis_block_key
 from tests.sglang.conftest import PAGE, POOL, host_pool, pool_toml
 from tests.support.waiting import wait_until

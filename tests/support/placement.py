@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from kvtier.config import PolicyConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs
 from kvtier.core.policy import Placement
+from kvtier.daemon.pools import policy_knobs
 from kvtier.keys import BlockKey
 
 POOL = "llama-8b"
 NOW = 1000.0  # the policy never reads the clock; tests pass time in
-TIMEOUT = 30.0  # PolicyKnobs.transfer_timeout_s default
+TIMEOUT = 30.0  # [policy] transfer_timeout_s default
 
 
 def k(i: int) -> BlockKey:
     return BlockKey(i.to_bytes(32, "big"))
 
 
-def placement(gpu: int = 10, cpu: int = 10, **knobs) -> Placement:
+def knobs(**changed) -> PolicyKnobs:
+    """The daemon's knobs for the default `[policy]`, with `changed` ones (in the core's types)."""
+    return replace(policy_knobs(PolicyConfig()), **changed)
+
+
+def placement(gpu: int = 10, cpu: int = 10, **changed) -> Placement:
     tiers = {Tier.GPU: TierIndex(gpu), Tier.CPU: TierIndex(cpu), Tier.REDIS: TierIndex(None)}
-    return Placement(POOL, tiers, PolicyKnobs(**knobs))
+    return Placement(POOL, tiers, knobs(**changed))
 
 
 def put(p: Placement, tier: Tier, ids, chain: bool = False) -> None:

@@ -307,3 +307,24 @@ def test_example_config_documents_every_key() -> None:
         missing += [f"{section}.{k}" for k in values
                     if not any(line.lstrip("# ").startswith(f"{k} =") for line in text.splitlines())]
     assert missing == []
+
+
+def test_the_policy_knobs_are_the_policy_section_by_name() -> None:
+    """The core's knobs (kvtier/core/knobs.py) are built from `[policy]` key by key: the same
+    names, the config's defaults, and the policy's choices as enums."""
+    from kvtier.config import PolicyConfig
+    from kvtier.config.fields import checked_fields
+    from kvtier.core.events import Tier
+    from kvtier.core.knobs import PolicyKnobs, RedisWrite
+    from kvtier.daemon.pools import policy_knobs
+
+    assert [f.name for f in dataclasses.fields(PolicyKnobs)] == list(checked_fields(PolicyConfig))
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(PolicyKnobs)), \
+        "a default of the core's own would shadow the config's"
+    default = policy_knobs(PolicyConfig())
+    assert dataclasses.asdict(default) == {**dataclasses.asdict(PolicyConfig()), "redis_write": RedisWrite.WRITE_BACK,
+                                           "prefetch_to": Tier.CPU}
+    cfg = load_config(None, {"KVTIER__POLICY__REDIS_WRITE": "write-through", "KVTIER__POLICY__PREFETCH_TO": "gpu",
+                             "KVTIER__POLICY__HIGH_WATERMARK": "0.95"})
+    knobs = policy_knobs(cfg.policy)
+    assert (knobs.redis_write, knobs.prefetch_to, knobs.high_watermark) == (RedisWrite.WRITE_THROUGH, Tier.GPU, 0.95)

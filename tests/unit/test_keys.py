@@ -1,7 +1,7 @@
 """Block keys (kvtier/keys.py) and block layouts (kvtier/layout.py): pure functions, no I/O.
 
 Expected values are computed independently here with hashlib + struct from the scheme that
-DESIGN.md ("Blocks and keys") and the module docstrings fix, and the first keys of one concrete
+docs/architecture.md ("Keys") and the module docstrings fix, and the first keys of one concrete
 input are pinned as literal hex so any change to the scheme fails loudly.
 """
 

@@ -7,6 +7,7 @@ from kvtier.config import load_config
 from kvtier.core.events import Cause, Copy, Demote, Envelope, Evict, Failure, Promote, Removed, Stored, Tier
 from kvtier.core.knobs import RedisWrite
 from kvtier.core.policy import DROP_REASONS
+from kvtier.daemon.pools import policy_knobs
 from tests.support.placement import NOW, POOL, k, placement, put
 
 THROUGH = RedisWrite.WRITE_THROUGH
@@ -18,6 +19,8 @@ def test_policy_choices_are_enums_built_from_config_values() -> None:
                              "KVTIER__POLICY__REDIS_ADMIT_AFTER_HITS": "2"})
     assert (cfg.policy.redis_write, cfg.policy.prefetch_to, cfg.policy.redis_admit_after_hits) == (
         "write-through", "gpu", 2)
+    knobs = policy_knobs(cfg.policy)  # what the daemon hands the core
+    assert (knobs.redis_write, knobs.prefetch_to, knobs.redis_admit_after_hits) == (THROUGH, Tier.GPU, 2)
 
 
 def test_copy_roundtrips_through_the_codec() -> None:

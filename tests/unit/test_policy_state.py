@@ -5,8 +5,10 @@ pressure, reader pins, Redis TTL expiry and outages, lost, late and duplicated d
 daemon restarts, under drawn knobs and tier sizes. A synchronous executor carries out the
 commands as kvtier/tiers/worker.py does, in the order Coordinator.flush publishes them, and
 feeds every fact back through `Placement.on_fact`. It decides what the worker decides with the
-worker's own rules (kvtier/core/eviction.py) and changes the indices only as the worker does,
-through the Placement's methods; only the I/O is modelled. Plain dicts model the bytes each tier
+worker's own rules (kvtier/core/eviction.py: what may leave a tier; kvtier/core/outcomes.py: the
+fact, counter and Redis record each command's outcome comes to) and changes the indices only as
+the worker does, through the Placement's methods; only the I/O is modelled (Redis down: every
+read, write and check fails with an error). Plain dicts model the bytes each tier
 holds and the cpu slot headers; a block's bytes are a function of its key, and the keys form a
 small forest (chains with a branch) so puts collide and prefixes matter.
 
@@ -27,8 +29,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.eviction import REFUSED, ROOM_TRIES, Verdict, after_redis_check, evict_verdict, room_victim
 from kvtier.core.index import State, TierIndex
-from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.knobs import RedisWrite
+from kvtier.core.outcomes import MOVED_IN, Count, Outcome, asked_redis, evicted, held, kept, read, sent, written
 from kvtier.core.policy import DROP_REASONS, Placement
+from tests.support.placement import knobs
 
 POOL = "p"
 GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
@@ -84,6 +88,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.lost_until: float | None = None  # marks of lost commands expire by then
         self.redis_up = True  # False: every Redis call fails (RedisError)
         self.extra: list[Removed] = []  # facts a handler reports besides its own (make_room's evictions)
+        self.outcome: Outcome | None = None  # the latest one settled: the command's own, once it has run
 
     @initialize(write=st.sampled_from(RedisWrite), admit_after=st.sampled_from([0, 2]),
                 prefetch_to=st.sampled_from([CPU, GPU]), high=st.sampled_from([0.9, 1.0]),
@@ -91,9 +96,9 @@ class PolicyMachine(RuleBasedStateMachine):
     def configure(self, write, admit_after, prefetch_to, high, gpu, cpu) -> None:
         """Knobs and sizes per run; high_watermark 1.0 never sheds: tiers fill, workers make room."""
         self.cap = {GPU: gpu, CPU: cpu}
-        self.knobs = PolicyKnobs(high_watermark=high, low_watermark=0.6, promote_after_hits=2,
-                                 prefetch_lease_s=LEASE, transfer_timeout_s=T, redis_write=write,
-                                 redis_admit_after_hits=admit_after, prefetch_to=prefetch_to)
+        self.knobs = knobs(high_watermark=high, low_watermark=0.6, promote_after_hits=2,
+                           prefetch_lease_s=LEASE, transfer_timeout_s=T, redis_write=write,
+                           redis_admit_after_hits=admit_after, prefetch_to=prefetch_to)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -136,73 +141,86 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def apply(self, cmd) -> list[Stored | Removed]:
         """One command, as TierWorker.handle: the facts it reports, in order."""
+        dst = cmd.tier if isinstance(cmd, (Store, Evict)) else cmd.dst
+        here = cmd.key in self.data[dst]
         if isinstance(cmd, Store):
             fact = self.store(cmd)
         elif isinstance(cmd, Evict):
             fact = self.evict(cmd)
         else:
             fact = self.transfer(cmd)
+        if dst in LOCAL and not isinstance(cmd, Evict):  # what the outcome says, against what happened
+            o = self.outcome
+            assert not (here and o.count in MOVED_IN), f"{cmd}: counted as moved in, but {dst.label} held it already"
+            assert not (o.count is Count.FAILED and cmd.key in self.data[dst]), \
+                f"{cmd}: reported failed, but {dst.label} holds the block"
         facts, self.extra = self.extra + [fact] * (fact is not None), []
         return facts
 
-    def stored_fact(self, k: bytes, t: Tier, slot: int, cause: Cause) -> Stored:
-        self.stored.add(k)
-        return Stored(POOL, k, PARENT[k], t, slot, cause)
+    def settle(self, cmd, o: Outcome) -> Stored | Removed | None:
+        """Apply an outcome as the worker does (kvtier/tiers/facts.py `settle`): what it says of
+        Redis's copy goes to the policy; a block it moved is one the model must not lose."""
+        if o.in_redis is True:
+            assert isinstance(o.fact, Stored), o
+            assert o.fact.tier == REDIS or (cmd.src == REDIS and o.fact.key in self.data[REDIS]), \
+                f"{cmd}: recorded in Redis, which does not hold it"
+            self.p.in_redis(o.fact.key, o.fact.parent)
+        elif o.in_redis is False:
+            self.p.not_in_redis(o.fact.key)
+        if isinstance(o.fact, Stored) and o.count is not None:  # moved in now
+            assert o.fact.key in self.data[o.fact.tier], f"{cmd}: reported stored, not there"
+            self.stored.add(o.fact.key)
+        if o.dropped:
+            assert isinstance(cmd, Store) and isinstance(o.fact, Removed), o
+        self.outcome = o
+        return o.fact
 
-    def store(self, c: Store) -> Stored | Removed:
-        if (held := self.idx[c.tier].get(c.key)) is not None:  # duplicate, or another client won
+    def store(self, c: Store) -> Stored | Removed | None:
+        """As TierWorker._store, with the worker's outcome rules (kvtier/core/outcomes.py)."""
+        if (o := held(self.p, c, c.tier)) is not None:  # duplicate, or another client won
             self.staged.discard(c.gen)
-            return Stored(POOL, c.key, c.parent, c.tier, held.slot, Cause.STORE)
-        if c.gen not in self.staged:  # staging slot already released: its generation check fails
-            return Removed(POOL, c.key, c.tier, Cause.STORE, Failure.VERIFY)
+            return self.settle(c, o)
+        # A staging slot released already fails its generation check: a changed block.
+        got = bytes_of(c.key) if c.gen in self.staged else None
         self.staged.discard(c.gen)
+        if (o := read(c, c.tier, got)) is not None:
+            return self.settle(c, o)
         if c.tier == REDIS:
-            if not self.redis_put(c.key, bytes_of(c.key)):
-                return Removed(POOL, c.key, REDIS, Cause.STORE, Failure.REDIS)
-            return self.stored_fact(c.key, REDIS, -1, Cause.STORE)
-        if (e := self.write_local(c.tier, c.key, bytes_of(c.key))) is None:
-            return Removed(POOL, c.key, c.tier, Cause.STORE, Failure.NO_ROOM)
-        return self.stored_fact(c.key, c.tier, e.slot, Cause.STORE)
+            return self.settle(c, sent(c, self.redis_put(c.key, got)))
+        return self.settle(c, written(c, c.tier, self.write_local(c.tier, c.key, got)))
 
-    def transfer(self, c: Promote | Demote | Copy) -> Stored | Removed:
-        cause = Cause(c.TYPE)
-        if c.dst != REDIS and (have := self.idx[c.dst].get(c.key)) is not None:
-            return Stored(POOL, c.key, c.parent, c.dst, have.slot, cause)
+    def transfer(self, c: Promote | Demote | Copy) -> Stored | Removed | None:
+        """As TierWorker._transfer and _promoted."""
+        if (o := held(self.p, c, c.dst)) is not None:
+            return self.settle(c, o)
         if c.src == REDIS:
-            payload = self.data[REDIS].get(c.key) if self.redis_up else None
+            got = self.data[REDIS].get(c.key) if self.redis_up else ConnectionError("redis is down")
         else:
             e = self.idx[c.src].get(c.key)
-            payload = self.data[c.src].get(c.key) if e is not None and e.state is State.READY else None
-        if payload is None:
-            if c.src == REDIS:
-                self.p.not_in_redis(c.key)
-            return Removed(POOL, c.key, c.dst, cause, Failure.SOURCE_MISS)
+            got = self.data[c.src].get(c.key) if e is not None and e.state is State.READY else None
+        if (o := read(c, c.dst, got)) is not None:
+            return self.settle(c, o)
         if c.dst == REDIS:
-            if not self.redis_put(c.key, payload):
-                return Removed(POOL, c.key, REDIS, cause, Failure.REDIS)
-            return self.stored_fact(c.key, REDIS, -1, cause)
-        if (e := self.write_local(c.dst, c.key, payload)) is None:
-            return Removed(POOL, c.key, c.dst, cause, Failure.NO_ROOM)
-        if c.src == REDIS:  # read back from Redis: Redis holds it
-            self.p.in_redis(c.key, c.parent)
-        return self.stored_fact(c.key, c.dst, e.slot, cause)
+            return self.settle(c, sent(c, self.redis_put(c.key, got)))
+        return self.settle(c, written(c, c.dst, self.write_local(c.dst, c.key, got)))
 
-    def evict(self, c: Evict) -> Removed | None:
+    def evict(self, c: Evict) -> Stored | Removed | None:
+        """As Evictions.evict."""
         if c.tier == REDIS:
             self.data[REDIS].pop(c.key, None)
-            self.p.not_in_redis(c.key)
-            return Removed(POOL, c.key, REDIS, Cause.EVICT, c.reason)
+            return self.settle(c, evicted(POOL, c.key, REDIS, c.reason))
         # The worker's own rules (kvtier/core/eviction.py): gone, stale, busy, safe or the only copy.
         verdict = evict_verdict(self.p, c.tier, c.key, c.reason)
         in_redis = False
         if verdict is Verdict.ASK_REDIS:
             in_redis = self.redis_has(c.key)
             verdict = after_redis_check(in_redis, c.reason)
-        if verdict in (Verdict.GONE, Verdict.STALE):
-            return None
-        if verdict in REFUSED:
-            self.p.refused(c.tier, c.key)
-            return None
+        if verdict is not Verdict.DROP:
+            if verdict in REFUSED:
+                self.p.refused(c.tier, c.key)
+            o = kept(verdict)
+            assert o.fact is None, f"{c}: {verdict} reports {o.fact}"
+            return self.settle(c, o)
         # Neither lower tier holds it: a documented drop (the frequency filter), of a block read too little.
         if not ((c.tier == GPU and c.key in self.idx[CPU]) or in_redis):
             assert c.reason in DROP_REASONS, f"{c}: dropped the only copy"
@@ -212,24 +230,24 @@ class PolicyMachine(RuleBasedStateMachine):
             if all(c.key not in self.data[t] for t in Tier if t != c.tier):
                 self.stored.discard(c.key)  # gone by a documented rule
         self.drop(c.tier, c.key, c.reason)
-        return Removed(POOL, c.key, c.tier, Cause.EVICT, c.reason)
+        return self.settle(c, evicted(POOL, c.key, c.tier, c.reason))
 
-    def redis_put(self, k: bytes, payload: bytes) -> bool:
+    def redis_put(self, k: bytes, payload: bytes) -> Exception | None:
+        """A SET: None, or the error Redis gave."""
         if not self.redis_up:
-            return False
+            return ConnectionError("redis is down")
         self.data[REDIS][k] = payload
-        self.p.in_redis(k, PARENT[k])
-        return True
+        return None
 
     def redis_has(self, k: bytes) -> bool:
-        if not self.redis_up:  # an error means no
-            return False
-        if k in self.data[REDIS]:
-            return True
-        self.p.not_in_redis(k)  # the record was stale (TTL): forget it
-        return False
+        """An EXISTS before the last local copy goes, and what its answer means (`asked_redis`)."""
+        present, in_redis = asked_redis(k in self.data[REDIS] if self.redis_up else ConnectionError("redis is down"))
+        if in_redis is False:
+            self.p.not_in_redis(k)  # the record was stale (TTL): forget it
+        return present
 
     def write_local(self, t: Tier, k: bytes, payload: bytes):
+        """As LocalWrites.write: the entry, or None when the tier has no room even after making some."""
         idx = self.idx[t]
         if (e := idx.get(k)) is not None:
             return e
@@ -255,7 +273,7 @@ class PolicyMachine(RuleBasedStateMachine):
             if verdict is Verdict.DROP:
                 assert victim in self.idx[Tier(t + 1)] or victim in self.data[REDIS], f"{victim!r}: the only copy"
                 self.drop(t, victim, Reason.MAKE_ROOM)
-                self.extra.append(Removed(POOL, victim, t, Cause.EVICT, Reason.MAKE_ROOM))
+                self.extra.append(self.settle(None, evicted(POOL, victim, t, Reason.MAKE_ROOM)))
                 return True
         return False
 
@@ -495,9 +513,9 @@ TestPolicyState.settings = settings(max_examples=300, stateful_step_count=40, de
 A0, A1, A2, C0, C1, D0 = (key(n) for n in ("a0", "a1", "a2", "c0", "c1", "d0"))
 
 
-def _placement(gpu: int = 3, cpu: int = 5, **knobs) -> Placement:
+def _placement(gpu: int = 3, cpu: int = 5, **changed) -> Placement:
     tiers = {GPU: TierIndex(gpu), CPU: TierIndex(cpu), REDIS: TierIndex(None)}
-    return Placement(POOL, tiers, PolicyKnobs(**knobs))
+    return Placement(POOL, tiers, knobs(**changed))
 
 
 def _stored(p: Placement, t: Tier, k: bytes, cause: Cause) -> list:

@@ -7,16 +7,19 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
 
 - batch_exists: the leading run this node holds (shared memory), then what Redis holds after it.
 - batch_get / batch_get_v1: local blocks are copied from shared memory straight into SGLang's
-  pages and verified there; with `remote` (the default) the rest of the leading run is read
-  straight from Redis (Client.get(..., remote=True)), verified, then copied into the pages.
-- batch_set / batch_set_v1: pages are copied once, into the client's staging slots; the daemon
-  verifies them and stores them in its tiers (and Redis, by its policy). A page already on this
-  node is not sent again. MLA pages are written only by `is_storage_writer`.
+  pages and verified there; with `remote` (the default) the rest of the leading run is read from
+  Redis in the same call (`get_with(..., remote=True)`): straight into a page that is contiguous,
+  verified where it landed, else through a buffer, verified by the page's digest.
+- batch_set / batch_set_v1: pages are copied once, into the client's staging slots (waiting up to
+  `save_wait_s` for room); the daemon verifies them and stores them in its tiers (and Redis, by its
+  policy). A page already on this node is not sent again. MLA pages are written only by
+  `is_storage_writer`.
 - clear: bumps the namespace's epoch in Redis (part of every key): its pages are never found
   again, on any node, and age out; nothing other namespaces share is deleted.
-- Best effort: a daemon that is down, a Redis outage, a timeout or a bad page is a miss (None,
-  False, 0) with a counter and a throttled log line; no call raises into SGLang. The only errors
-  SGLang sees are at attach: a bad extra config, or a pool that cannot hold its pages.
+- Best effort: every call goes through the link's guard (kvtier/integrations/link.py): a daemon
+  that is down, a Redis outage, a timeout or a bad page is a miss (None, False, 0) with a counter
+  and a throttled log line; no call raises into SGLang. The only errors SGLang sees are at
+  attach: a bad extra config, or a pool that cannot hold its pages (PoolMismatch).
 """
 
 from __future__ import annotations
@@ -29,31 +32,28 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
+from kvtier.client import SyncClient
 from kvtier.client.discovery import library_logger
-from kvtier.client.sync import SyncClient
 from kvtier.integrations.counters import Counters, LogThrottle
+from kvtier.integrations.link import LINK_COUNTERS, EngineLink
 from kvtier.integrations.sglang import hicache_pages as pages
 from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettings
-from kvtier.integrations.sglang.hicache_link import HiCacheLink, check_pool
 from kvtier.integrations.sglang.hicache_namespace import EpochUnknown, PageNamespace
+from kvtier.integrations.sglang.hicache_pool import page_spec
 
 T = TypeVar("T")
 
-COUNTERS = (
+COUNTERS = (  # besides the link's own (LINK_COUNTERS: daemon_unavailable, timeouts, redis_errors, errors)
     "pages_read_local",  # pages copied from this node's shared memory, verified
     "pages_read_remote",  # pages read straight from Redis, verified
     "pages_missed",  # pages asked for and not delivered (absent, corrupt, unreachable)
     "pages_written",  # pages handed to the daemon
     "pages_deduped",  # pages already on this node: not sent again
     "pages_dropped",  # pages not handed over: no staging room in time, or the daemon/Redis down
-    "daemon_unavailable",  # connection attempts that failed
-    "errors",  # calls that failed unexpectedly (answered as misses)
-    "timeouts",  # calls cut short by call_timeout_s
     "bad_pages",  # values or targets of the wrong size or kind (refused)
     "epoch_unknown",  # calls answered as misses because the namespace's epoch was never read
 )
 METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
-REMOTE_CHUNK = 32  # pages read through per call: bounds the scratch buffer (32 x 8 MiB for Llama-8B at page 64)
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
@@ -69,14 +69,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
             self.log.warning("sglang_hicache.unknown_config_keys", keys=unknown,
                              detail="not kvtier's or SGLang's; ignored (a typo?)")
         self.warn = LogThrottle(self.log)
-        self.counters = Counters(COUNTERS)
+        self.counters = Counters(LINK_COUNTERS + COUNTERS)
         self.writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
         self.ns = PageNamespace(storage_config, self.settings.pool, self.settings.salt, self.warn)
         self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
                                                   ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                    "backup_bandwidth")}
-        self.link = HiCacheLink(self.settings, self.log, self.counters, self._check_pool)
+        st = self.settings
+        self.link = EngineLink(runtime_dir=st.runtime_dir, spec=page_spec(st.pool, None, None),
+                               counters=self.counters, log=self.log, retry_s=st.retry_s,
+                               staging_blocks=st.staging_blocks, connect_timeout_s=st.connect_timeout_s,
+                               call_timeout_s=st.call_timeout_s, remote_timeout_s=st.remote_timeout_s,
+                               component="sglang_hicache")
         self.link.connect(first=True)  # a daemon that is down is not an error; a wrong pool is
 
     # --- geometry and keys -----------------------------------------------------------------------
@@ -96,13 +101,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
                                   "interface_v1 out of the extra config")
         self.ns.set_host(str(getattr(mem_pool_host, "layout", self.ns.layout)), page_size, page_bytes,
                          pages.host_geometry(mem_pool_host))
+        self.link.spec = page_spec(self.settings.pool, page_size, page_bytes)
         client = self.link.client()
         if client is not None:
-            self._check_pool(client)  # PoolMismatch: SGLang's attach fails with the reason
+            self.link.spec.check(client)  # PoolMismatch: SGLang's attach fails with the reason
         self.log.info("sglang_hicache.host_pool", layout=self.ns.layout, page_size=page_size, page_bytes=page_bytes)
-
-    def _check_pool(self, client: SyncClient) -> None:
-        check_pool(client, self.settings.pool, self.ns.page_size, self.ns.page_bytes)
 
     def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
         return self.ns.keys(client, keys)
@@ -116,31 +119,19 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # --- the safety net --------------------------------------------------------------------------
 
     def _guard(self, op: str, miss: T, fn: Callable[[SyncClient], T]) -> T:
-        """fn(client), or `miss` when the daemon is down or anything goes wrong (counted, logged)."""
-        try:
-            client = self.link.client()
-        except Exception as e:  # pragma: no cover - nothing known raises there; a miss if it ever does
-            self.counters.add("errors")
-            self.warn.warning("sglang_hicache.call_failed", op=op, error=f"{type(e).__name__}: {e}")
+        """fn(client) through the link's guard (a miss on any failure, counted and logged), with
+        SGLang's own two kinds: a namespace whose epoch is unknown, and a bad page."""
+        def run(client: SyncClient) -> T:
+            try:
+                return fn(client)
+            except EpochUnknown:
+                self.counters.add("epoch_unknown")
+            except (TypeError, ValueError) as e:
+                self.counters.add("bad_pages")
+                self.warn.warning("sglang_hicache.bad_request", op=op, error=str(e))
             return miss
-        if client is None:
-            return miss
-        try:
-            return fn(client)
-        except EpochUnknown:
-            self.counters.add("epoch_unknown")
-        except TimeoutError:
-            self.counters.add("timeouts")
-            self.warn.warning("sglang_hicache.timeout", op=op, timeout_s=self.settings.call_timeout_s)
-            self.link.lost(client)
-        except (TypeError, ValueError) as e:
-            self.counters.add("bad_pages")
-            self.warn.warning("sglang_hicache.bad_request", op=op, error=str(e))
-        except Exception as e:  # the engine must never fail because of its cache
-            self.counters.add("errors")
-            self.warn.warning("sglang_hicache.call_failed", op=op, error=f"{type(e).__name__}: {e}")
-            self.link.lost(client)
-        return miss
+
+        return self.link.guard(op, miss, run)
 
     # --- exists ------------------------------------------------------------------------------------
 
@@ -169,42 +160,18 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def _read(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8]) -> int:
         """Blocks kk -> the byte views dst (flat or page-shaped); how many leading ones landed,
-        verified. Local ones straight from shared memory, the rest of the run from Redis."""
-        pool = self.settings.pool
-        t = self.settings.call_timeout_s
-        n = client.get_with(pool, kk, lambda i, src: pages.copy_in(dst[i], src), lambda i: pages.digest(dst[i]),
-                            timeout=t)
-        self.counters.add("pages_read_local", n)
-        if n < len(kk) and self.settings.remote:
-            n += self._read_remote(client, kk[n:], dst[n:])
+        verified: from shared memory, and with `remote` the rest of the run from Redis (straight
+        into a contiguous page)."""
+        before = client.stats.remote_reads
+        n = client.get_with(self.settings.pool, kk, lambda i, src: pages.copy_in(dst[i], src),
+                            lambda i: pages.digest(dst[i]), remote=self.settings.remote,
+                            land=lambda i: dst[i].reshape(-1) if dst[i].flags.c_contiguous else None,
+                            timeout=self.settings.call_timeout_s)
+        remote = min(n, client.stats.remote_reads - before)
+        self.counters.add("pages_read_local", n - remote)
+        self.counters.add("pages_read_remote", remote)
         self.counters.add("pages_missed", len(kk) - n)
         return n
-
-    def _read_remote(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8]) -> int:
-        """The leading run of kk that Redis holds, read through (verified) in chunks of a bounded
-        scratch buffer, then copied into dst. A failure keeps what already landed."""
-        pool = self.settings.pool
-        p = client.pool(pool)
-        got = 0
-        scratch = torch.empty((min(len(kk), REMOTE_CHUNK), *p.shape), dtype=p.dtype)
-        while got < len(kk):
-            want = min(len(kk) - got, REMOTE_CHUNK)
-            try:
-                m = client.get(pool, kk[got:got + want], scratch[:want], remote=True,
-                               timeout=self.settings.call_timeout_s)
-            except TimeoutError:
-                self.counters.add("timeouts")
-                self.warn.warning("sglang_hicache.timeout", op="read_through", timeout_s=self.settings.call_timeout_s)
-                break
-            rows = pages.tensor_bytes(scratch[:m]).reshape(m, -1) if m else None
-            for j in range(m):
-                assert rows is not None
-                pages.copy_in(dst[got + j], rows[j])
-            self.counters.add("pages_read_remote", m)
-            got += m
-            if m < want:
-                break
-        return got
 
     def _page_targets(self, client: SyncClient, count: int, targets: Sequence[Any] | None) -> list[torch.Tensor]:
         if targets is not None:
@@ -270,18 +237,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def _write(self, client: SyncClient, kk: list[bytes], fill: Callable[[int, pages.U8], object],
                parent: bytes | None) -> int:
         """Hand blocks to the daemon; how many leading ones were taken (already here counts)."""
-        pool = self.settings.pool
-        done = client.lookup(pool, kk).length  # content-addressed: a page here already is not sent
+        done = client.lookup(self.settings.pool, kk).length  # content-addressed: a page here is not sent again
         self.counters.add("pages_deduped", done)
-        deadline = time.monotonic() + self.settings.save_wait_s
-        while done < len(kk):
-            res = client.put_with(pool, kk[done:], lambda i, dst, off=done: fill(off + i, dst),
-                                  parent=kk[done - 1] if done else parent, timeout=self.settings.call_timeout_s)
-            self.counters.add("pages_written", res.staged)
-            done += res.staged
-            if done == len(kk) or time.monotonic() >= deadline or not client.daemon_alive():
-                break
-            time.sleep(0.002)  # staging full: the daemon frees slots as it stores them
+        if done < len(kk):
+            staged = self.link.put_with(client, kk[done:], lambda i, dst: fill(done + i, dst),
+                                        parent=kk[done - 1] if done else parent, wait_s=self.settings.save_wait_s)
+            self.counters.add("pages_written", staged)
+            done += staged
         self.counters.add("pages_dropped", len(kk) - done)
         return done
 

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.shm.slots import checksum_parts
+from kvtier.client import checksum_parts
 
 U8 = npt.NDArray[np.uint8]
 

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
-from kvtier.integrations.vllm.connector_link import DaemonLink
+from kvtier.integrations.vllm.connector_link import connector_link
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
 from kvtier.integrations.vllm.connector_worker import WorkerMover
 
@@ -87,7 +87,8 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(cfg.kv_connector_extra_config)
-        self._link = DaemonLink(settings.runtime_dir, settings.staging_blocks, settings.retry_s)
+        self._link = connector_link(settings.pool, settings.runtime_dir, settings.staging_blocks, settings.retry_s,
+                                    settings.call_timeout_s)
         self._planner: SchedulerPlanner | None = None
         self._mover: WorkerMover | None = None
         self._load_errors: set[int] = set()
@@ -162,7 +163,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
-        now = self._link.counters.as_dict()
+        now = self._link.counters.snapshot()
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         self._reported = now
         return KvtierConnectorStats(data=delta) if delta else None

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.integrations.link import EngineLink
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
-from kvtier.integrations.vllm.connector_link import DaemonLink
 
 REPORT_S = 60.0
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
@@ -62,7 +62,7 @@ class _Tracked:
 class SchedulerPlanner:
     """Pure bookkeeping plus lookups through the link; vLLM types are read duck-typed."""
 
-    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: DaemonLink,
+    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: EngineLink,
                  ranks: Sequence[tuple[tuple[int, int], tuple[int, int]]], *, load: bool, save: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.s = settings
@@ -85,7 +85,7 @@ class SchedulerPlanner:
             t = _Tracked(tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
                          None if lora is None else str(lora.lora_name))
             self.reqs[request.request_id] = t
-            self.link.counters.lookups += 1
+            self.link.counters.add("lookups")
         return t
 
     def _keys(self, client, t: _Tracked, n_blocks: int) -> list[list[bytes]]:
@@ -108,7 +108,7 @@ class SchedulerPlanner:
         max_blocks = (len(t.prompt) - 1) // self.block_size
         if max_blocks * self.block_size <= num_computed_tokens:
             return 0
-        found = self.link.call("lookup", lambda c: self._resident(c, t, max_blocks))
+        found = self.link.guard("lookup", None, lambda c: self._resident(c, t, max_blocks))
         if found is None:
             return 0
         local, keys = found
@@ -140,7 +140,7 @@ class SchedulerPlanner:
         starts: list[int] = []
         end = len(keys[0])
         for k in keys:
-            found = self.link.call("redis lookup", lambda c, k=k: c.locate(self.s.pool, k, timeout=timeout))
+            found = self.link.guard("redis lookup", None, lambda c, k=k: c.locate(self.s.pool, k, timeout=timeout))
             if found is None:
                 return False
             starts.append(found.length)
@@ -148,12 +148,12 @@ class SchedulerPlanner:
         if end <= local:
             return False
         for k, start in zip(keys, starts):
-            if start < end and not self.link.call("prefetch", lambda c, k=k, start=start: c.prefetch(
+            if start < end and not self.link.guard("prefetch", False, lambda c, k=k, start=start: c.prefetch(
                     self.s.pool, k[start:end], parent=k[start - 1] if start else None, timeout=timeout) or True):
                 return False
         t.redis_target = end
         t.waiting_since = self.clock()
-        self.link.counters.redis_blocks += end - local
+        self.link.counters.add("redis_blocks", end - local)
         return True
 
     # --- update_state_after_alloc / build_connector_meta ---------------------------------------
@@ -164,7 +164,7 @@ class SchedulerPlanner:
         t = self._track(request)
         first = t.local_tokens // self.block_size  # vLLM loads right after the local hit it showed us
         t.load = (first, first + num_external_tokens // self.block_size)
-        self.link.counters.hit_blocks += t.load[1] - first
+        self.link.counters.add("hit_blocks", t.load[1] - first)
 
     def build(self, scheduler_output) -> TransferPlan:
         self._report()
@@ -215,7 +215,7 @@ class SchedulerPlanner:
         if now < self._next_report:
             return
         self._next_report = now + REPORT_S
-        counts = self.link.counters.as_dict()
+        counts = self.link.counters.snapshot()
         if counts != self._reported:
             self._reported = counts
             log.info("kvtier: scheduler %s", " ".join(f"{k}={v}" for k, v in counts.items() if v))

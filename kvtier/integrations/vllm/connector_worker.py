@@ -11,28 +11,33 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from kvtier.client import checksum_parts
+from kvtier.integrations.link import EngineLink, PoolSpec
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
-from kvtier.integrations.vllm.connector_link import DaemonLink
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
-from kvtier.shm.slots import checksum_parts
 
-STAGING_POLL_S = 0.001
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
-class LayoutMismatch(ValueError):
-    """vLLM's pages do not fit the configured kvtier pool; the message says how to fix the pool."""
+def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str) -> PoolSpec:
+    """vLLM's pages as the pool must hold them: one vLLM block of every layer of this rank."""
+    return PoolSpec(
+        pool, block_bytes=layers * page_bytes, block_tokens=ns.block_size, dtype=dtype,
+        howto=lambda: (f"Configure it as layers = {layers}, kv_heads = {ns.kv_heads}, head_dim = {ns.head_size}, "
+                       f"block_tokens = {ns.block_size}, dtype = \"{dtype}\""),
+        tokens_msg="block_tokens {have} != vLLM block_size {want} (one vLLM block must be exactly one kvtier block)",
+        dtype_msg="dtype {have} != vLLM's KV dtype {want}",
+        bytes_msg="block bytes {have} != " + f"{layers} layers x {page_bytes} page bytes")
 
 
 class WorkerMover:
-    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: DaemonLink,
+    def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: EngineLink,
                  tp: tuple[int, int], pp: tuple[int, int], layer_names: Sequence[str]) -> None:
         self.s = settings
         self.ns = ns
@@ -41,8 +46,6 @@ class WorkerMover:
         self.layer_names = list(layer_names)
         self.caches: list[torch.Tensor] = []
         self.page: tuple[int, ...] = ()
-        self._checked: object | None = None  # the client whose pool layout was last checked
-        self.disabled: str | None = None  # why every transfer is a miss
         self._scratch: torch.Tensor | None = None
 
     # --- setup -----------------------------------------------------------------------------------
@@ -57,43 +60,17 @@ class WorkerMover:
         self._pages = None
         if all(c.device.type == "cpu" and c.is_contiguous() for c in self.caches):
             self._pages = [c.view(torch.uint8).numpy().reshape(c.shape[0], -1) for c in self.caches]
+        # The pool must hold this rank's pages: checked on every connection (a pool that does not
+        # fit keeps the link down, every transfer a miss, with the fix in vLLM's log).
+        dtype = str(self.caches[0].dtype).removeprefix("torch.")
+        page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
+        self.link.spec = pages_spec(self.s.pool, self.ns, len(self.caches), page_bytes, dtype)
         log.info("kvtier: %d layers registered, page %s %s on %s", len(self.caches), self.page,
                  self.caches[0].dtype, self.caches[0].device)
 
-    def _pool(self, client):
-        """The pool, once checked against vLLM's pages; LayoutMismatch disables the connector."""
-        pool = client.pool(self.s.pool)
-        if self._checked is client:
-            return pool
-        dtype = str(self.caches[0].dtype).removeprefix("torch.")
-        page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
-        want = len(self.caches) * page_bytes
-        problems = []
-        if pool.layout.block_tokens != self.ns.block_size:
-            problems.append(f"block_tokens {pool.layout.block_tokens} != vLLM block_size {self.ns.block_size}"
-                            " (one vLLM block must be exactly one kvtier block)")
-        if pool.layout.dtype != dtype:
-            problems.append(f"dtype {pool.layout.dtype} != vLLM's KV dtype {dtype}")
-        if pool.block_bytes != want:
-            problems.append(f"block bytes {pool.block_bytes} != {len(self.caches)} layers x {page_bytes} page bytes")
-        if problems:
-            raise LayoutMismatch(
-                f"kvtier pool {self.s.pool!r} does not fit this vLLM rank: {'; '.join(problems)}. Configure it as "
-                f"layers = {len(self.caches)}, kv_heads = {self.ns.kv_heads}, head_dim = {self.ns.head_size}, "
-                f"block_tokens = {self.ns.block_size}, dtype = \"{dtype}\"")
-        self._checked = client
-        return pool
-
     def _usable(self, client) -> object | None:
-        if self.disabled is not None or not self.caches:
-            return None
-        try:
-            return self._pool(client)
-        except LayoutMismatch as e:
-            self.disabled = str(e)
-            log.error("kvtier: connector disabled, every lookup is a miss: %s", e)
-            self.link.failed("layout", e)
-            return None
+        """The pool, once vLLM's pages are known (the link checked that it fits them)."""
+        return client.pool(self.s.pool) if self.caches else None
 
     def chain_keys(self, client, tr: BlockTransfer) -> list[bytes]:
         """This rank's keys for every block of the transfer's tokens, from the first."""
@@ -128,11 +105,10 @@ class WorkerMover:
         """Read each transfer's blocks into vLLM's pages. Returns the block ids not loaded."""
         failed: set[int] = set()
         for tr in transfers:
-            n = self.link.call("load", lambda c, tr=tr: self._load_one(c, tr))
-            n = 0 if n is None else n
-            self.link.counters.loaded_blocks += n
+            n = self.link.guard("load", 0, lambda c, tr=tr: self._load_one(c, tr))
+            self.link.counters.add("loaded_blocks", n)
             if n < len(tr.block_ids):
-                self.link.counters.load_failed_blocks += len(tr.block_ids) - n
+                self.link.counters.add("load_failed_blocks", len(tr.block_ids) - n)
                 failed.update(tr.block_ids[n:])
                 log.warning("kvtier: request %s loaded %d of %d planned blocks; vLLM recomputes the rest",
                             tr.req_id, n, len(tr.block_ids))
@@ -179,7 +155,7 @@ class WorkerMover:
 
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
         for tr in transfers:
-            self.link.call("save", lambda c, tr=tr: self._save_one(c, tr))
+            self.link.guard("save", None, lambda c, tr=tr: self._save_one(c, tr))
 
     def _save_one(self, client, tr: BlockTransfer) -> None:
         pool = self._usable(client)
@@ -189,30 +165,18 @@ class WorkerMover:
         keys = self.chain_keys(client, tr)
         todo = keys[tr.first:tr.first + len(tr.block_ids)]
         skip = client.lookup(self.s.pool, todo).length  # already on this node: nothing to hand over
-        c.save_skipped_blocks += skip
+        c.add("save_skipped_blocks", skip)
         todo, ids = todo[skip:], tr.block_ids[skip:]
         if not todo:
             return
         start = tr.first + skip
-
-        def filler(off: int):
-            return lambda i, dst: self._copy_pages_out(ids[off + i], dst)
-
-        # vLLM may free these pages once this step ends, so the bytes must be staged now. Staging
+        bs = self.ns.block_size
+        toks = list(tr.token_ids[start * bs:(start + len(todo)) * bs])  # for routers' KV events
+        # vLLM may free these pages once this step ends, so the bytes must be staged now: staging
         # slots the daemon has not drained yet are waited for, up to save_wait_s; what is still
         # not staged then is dropped and counted (a future miss, never an error).
-        deadline = time.monotonic() + self.s.save_wait_s
-        done = 0
-        while True:
-            at = start + done
-            bs = self.ns.block_size
-            toks = tr.token_ids[at * bs:(start + len(todo)) * bs]  # for routers' KV events
-            res = client.put_with(self.s.pool, todo[done:], filler(done), parent=keys[at - 1] if at else None,
-                                  token_ids=toks if len(toks) == (len(todo) - done) * bs else None,
-                                  timeout=self.s.call_timeout_s)
-            done += res.staged
-            if done == len(todo) or time.monotonic() >= deadline:
-                break
-            time.sleep(STAGING_POLL_S)
-        c.saved_blocks += done
-        c.save_dropped_blocks += len(todo) - done
+        done = self.link.put_with(client, todo, lambda i, dst: self._copy_pages_out(ids[i], dst),
+                                  parent=keys[start - 1] if start else None, wait_s=self.s.save_wait_s,
+                                  token_ids=toks if len(toks) == len(todo) * bs else None)
+        c.add("saved_blocks", done)
+        c.add("save_dropped_blocks", len(todo) - done)

@@ -26,7 +26,8 @@ Tier options (the other keys of that dict):
     lookup_timeout_s   how long a background existence check may take before it counts as a
                        miss (1.0).
     connect_timeout_s  connecting to the daemon at start and on each reconnect (5.0).
-    health_interval_s  how often the daemon's liveness is checked, and reconnects tried (0.25).
+    health_interval_s  how often reconnects are tried while the daemon is down (0.25); a live
+                       daemon's pid is checked every 0.5 s.
     staging_chunks     the client's staging slots, each one chunk of /dev/shm (32).
     salt               extra namespace string: tiers with different salts never share chunks.
     failed_key_ttl_s   a chunk whose load failed is a miss for this long, so the scheduler
@@ -39,9 +40,9 @@ Tier options (the other keys of that dict):
 Keys: tier_keys.py (vLLM's FileMapper namespace + SHA-256). Cross-node: a chunk stored on node A
 is found by node B's tier once it is in Redis; with the daemon's default write-back policy
 that is when A's cpu tier sheds it, with `[policy] redis_write = "write-through"` at once.
-Threads and health: tier_link.py; deadlines and failure handling: tier_io.py. Every method
-here returns at once; none raises into vLLM after construction: failures are failed jobs or
-misses, counted (get_stats) and logged.
+The daemon is reached through the shared engine link (kvtier/integrations/link.py); deadlines
+and failure handling: tier_io.py. Every method here returns at once; none raises into vLLM after
+construction: failures are failed jobs or misses, counted (get_stats) and logged.
 """
 
 from __future__ import annotations
@@ -205,14 +206,11 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool]:
-        """On the lookup thread: one bounded round trip through the loop thread."""
+        """On the lookup thread: one bounded round trip (the link counts and logs a failure)."""
         try:
-            return self._io.call(self._io.exists(self.keys.many(keys)), self._lookup_timeout)
-        except TimeoutError:
-            self.counters.add("timeouts")
-            self._log_warning("vllm_tier.lookup_timeout", keys=len(keys), timeout_s=self._lookup_timeout)
-        except Exception as e:
-            self.counters.add("lookup_unavailable" if not self._io.up else "lookup_errors")
+            return self._io.exists(self.keys.many(keys), self._lookup_timeout)
+        except Exception as e:  # the link's guard answers misses; this is for a bug in the keys
+            self.counters.add("lookup_errors")
             self._log_warning("vllm_tier.lookup_failed", error=repr(e))
         return [False] * len(keys)
 
@@ -246,13 +244,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
             chunk_ids = [int(c) for c in job.chunk_ids]
             if len(chunk_ids) != len(rec.keys):
                 raise ValueError(f"{len(rec.keys)} keys but {len(chunk_ids)} chunk ids")
-            if not self._io.up:
+            kind = "load" if is_load else "store"
+            rec.future = self._io.submit(kind, self.keys.many(rec.keys), chunk_ids,
+                                         rec.submitted + self._timeouts[is_load])
+            if rec.future is None:
                 self.counters.add("daemon_unavailable")
                 self._finished.append(self._result(rec, self._failed(rec, "daemon_unavailable")))
                 return
-            kind = "load" if is_load else "store"
-            rec.future = self._io.submit(self._io.run_job(kind, self.keys.many(rec.keys), chunk_ids,
-                                                          rec.submitted + self._timeouts[is_load]))
         except Exception as e:
             self._finished.append(self._result(rec, self._failed(rec, repr(e))))
             return
@@ -264,9 +262,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, self._finished = self._finished, []
-        for job_id in [j for j, r in self._jobs.items() if r.future.done()]:
+        for job_id in [j for j, r in self._jobs.items() if r.future is not None and r.future.done()]:
             rec = self._jobs.pop(job_id)
             try:
+                assert rec.future is not None
                 outcome = rec.future.result()
             except BaseException as e:  # a bug in the job itself: the chunks failed, vLLM goes on
                 outcome = self._failed(rec, repr(e))

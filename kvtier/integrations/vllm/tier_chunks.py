@@ -6,9 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-class PoolMismatch(ValueError):
-    """The named kvtier pool does not exist or does not hold exactly one vLLM chunk per block."""
+from kvtier.integrations.link import PoolSpec
 
 
 def primary_rows(view: memoryview) -> np.ndarray:
@@ -41,3 +39,10 @@ def pool_help(pool: str, chunk_bytes: int) -> str:
             f"  cpu_bytes = \"16GiB\"\n"
             f"(block bytes = layers * 2 * kv_heads * block_tokens * head_dim * dtype size), "
             f"and restart the daemon.")
+
+
+def chunk_spec(pool: str, chunk_bytes: int) -> PoolSpec:
+    """vLLM's offload chunks as the pool must hold them: one chunk per block, as raw bytes."""
+    return PoolSpec(pool, block_bytes=chunk_bytes, howto=lambda: pool_help(pool, chunk_bytes),
+                    bytes_msg="kvtier pool {name!r} holds blocks of {have} bytes, but vLLM's offload chunks are "
+                              "{want} bytes")

@@ -1,8 +1,9 @@
 """The kvtier side of the vLLM secondary tier: the store and load jobs vLLM's scheduler submits.
 
-`TierIO` is a `TierLink` (tier_link.py: the private event-loop thread that owns the kvtier
-Client, its connection and health); its jobs run on that loop, and the scheduler polls their
-`concurrent.futures.Future`s (`done()`), it never waits on one.
+`TierIO` reaches the daemon through the shared engine link (kvtier/integrations/link.py: found
+lazily, its pid watched, its pool checked, every failure a miss). Jobs run on the link's client's
+own loop thread (`SyncClient.submit`): the scheduler polls their `concurrent.futures.Future`s
+(`done()`), it never waits on one. Lookups on this node's shared memory run on the caller's thread.
 
 Contract:
 - Every job has a deadline. Its waits (staging room, residency after a put or a prefetch) end
@@ -14,30 +15,36 @@ Contract:
   verified the bytes it copied (seqlock, key, checksum). Anything else is a failed chunk, never
   wrong bytes.
 - A daemon that is down, a Redis error, a pool that no longer fits: failed chunks, a counter
-  and a rate-limited log line. The link's health task notices a dead daemon (its pid), follows
-  a restart, and reconnects.
+  and a rate-limited log line.
 - No vLLM import here: the adapter (secondary_tier.py) maps vLLM's types onto this.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvtier.bus.failures import REDIS_ERRORS
-from kvtier.client import Client
-from kvtier.errors import KvtierError
-from kvtier.integrations.vllm.tier_chunks import runs
-from kvtier.integrations.vllm.tier_link import DaemonDown, TierLink
+from kvtier.client import Client, SyncClient
+from kvtier.client.discovery import library_logger
+from kvtier.errors import KvtierError, RedisUnavailable
+from kvtier.integrations.link import EngineLink
+from kvtier.integrations.vllm.tier_chunks import chunk_spec, runs
+from kvtier.integrations.vllm.tier_stats import Counters, LogThrottle
 
 POLL_S = 0.001  # residency polls while a load waits for a prefetch
-STORE_POLL_S = 0.002  # ... and while a store waits for visibility or staging room
+STORE_POLL_S = 0.002  # ... and while a store waits for visibility
 REDIS_CHECK_S = 0.05  # ... and how often it asks Redis about the chunks not visible here
 GRACE_S = 2.0  # the hard guard past a job's deadline (copies in flight finish first)
+
+
+class DaemonDown(Exception):
+    """The daemon is not reachable right now (raised inside jobs, turned into failed chunks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +54,69 @@ class Outcome:
     reason: str = ""  # why some chunk failed ("" when none did)
 
 
-class TierIO(TierLink):
-    # --- jobs (loop thread) ------------------------------------------------------------------
+class TierIO:
+    def __init__(self, rows: np.ndarray, runtime_dir: str | None, pool: str, *, staging_chunks: int = 32,
+                 connect_timeout_s: float = 5.0, health_interval_s: float = 0.25,
+                 counters: Counters | None = None) -> None:
+        self._rows: np.ndarray | None = rows
+        self.chunk_bytes = int(rows.shape[1])
+        self.pool = pool
+        self.counters = counters or Counters()
+        self.log = library_logger().bind(component="vllm_tier", pool=pool)
+        self.warn = LogThrottle(self.log)
+        self.link = EngineLink(runtime_dir=runtime_dir, spec=chunk_spec(pool, self.chunk_bytes),
+                               counters=self.counters, log=self.log, retry_s=health_interval_s,
+                               staging_blocks=staging_chunks, connect_timeout_s=connect_timeout_s,
+                               call_timeout_s=connect_timeout_s, component="vllm_tier")
+        self.link.connect(first=True)  # PoolMismatch (a ValueError) for a pool that cannot hold the chunks
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: resident on this node, or in Redis (put there by any node)."""
-        client = self._require()
-        return await self._present(client, keys)
+    # --- for the scheduler thread ------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        """Whether the daemon is reachable now (a reconnect is tried at most every health interval)."""
+        return self.link.client() is not None
+
+    def local_has(self, key: bytes) -> bool:
+        """Whether `key` is resident on this node, from the shared-memory directory, on the
+        caller's thread (no I/O). Any trouble answers False, and leaves the question to `exists`."""
+        client = self.link.current
+        if client is None:
+            return False
+        try:
+            return client.lookup(self.pool, [key]).length == 1
+        except Exception:  # noqa: BLE001 - e.g. a restart remapping the pool right now
+            return False
+
+    def exists(self, keys: Sequence[bytes], timeout: float) -> list[bool]:
+        """Per key: on this node, or in Redis (put there by any node); all False when unknown."""
+        def ask(client: SyncClient) -> list[bool]:
+            errors = client.stats.event_errors
+            found = client.present(self.pool, keys, timeout=timeout)
+            if client.stats.event_errors > errors:
+                self.counters.add("redis_errors")
+            return found
+
+        return self.link.guard("exists", [False] * len(keys), ask)
+
+    def submit(self, kind: str, keys: Sequence[bytes], chunk_ids: Sequence[int],
+               deadline: float) -> concurrent.futures.Future[Outcome] | None:
+        """Start a job ("store" or "load") on the client's loop; None when the daemon is down."""
+        sync = self.link.client()
+        if sync is None:
+            return None
+        return sync.submit(lambda client: self.run_job(sync, client, kind, keys, chunk_ids, deadline))
+
+    def close(self) -> None:
+        self.link.close()
+        self._rows = None  # vLLM releases the primary memoryview next: hold no buffer export on it
+
+    # --- jobs (the client's loop thread) -------------------------------------------------------
+
+    def _require(self, sync: SyncClient) -> None:
+        """The job's client is still the link's (the link dropped it when its daemon died)."""
+        if self.link.current is not sync:
+            raise DaemonDown("the kvtier daemon is not reachable")
 
     async def _present(self, client: Client, keys: Sequence[bytes]) -> list[bool]:
         """Client.present, with a Redis that cannot be asked counted (its keys count as absent)."""
@@ -63,7 +126,8 @@ class TierIO(TierLink):
             self.counters.add("redis_errors")
         return found
 
-    async def run_job(self, kind: str, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float) -> Outcome:
+    async def run_job(self, sync: SyncClient, client: Client, kind: str, keys: Sequence[bytes],
+                      chunk_ids: Sequence[int], deadline: float) -> Outcome:
         """`kind` "store" or "load" with a hard guard at deadline + GRACE_S (time.monotonic)."""
         t0 = time.perf_counter()
         ok = [False] * len(keys)
@@ -71,7 +135,7 @@ class TierIO(TierLink):
         try:
             async with asyncio.timeout(max(0.0, deadline + GRACE_S - time.monotonic())):
                 fn = self._store if kind == "store" else self._load
-                reason = await fn(keys, chunk_ids, deadline, ok)
+                reason = await fn(sync, client, keys, chunk_ids, deadline, ok)
         except TimeoutError:
             reason = "timeout"
             self.counters.add("timeouts")
@@ -79,9 +143,9 @@ class TierIO(TierLink):
             reason = "daemon_unavailable"
             self.counters.add("daemon_unavailable")
             self.warn.warning("vllm_tier.daemon_unavailable", job=kind, error=str(e))
-        except (KvtierError, *REDIS_ERRORS, OSError) as e:
+        except (KvtierError, OSError) as e:
             reason = type(e).__name__
-            self.counters.add("redis_errors" if isinstance(e, REDIS_ERRORS) else "read_failures")
+            self.counters.add("redis_errors" if isinstance(e, RedisUnavailable) else "read_failures")
             self.warn.warning("vllm_tier.job_failed", job=kind, error=str(e))
         except Exception as e:  # a bug: the chunks fail, vLLM must not see it
             reason = repr(e)
@@ -91,12 +155,15 @@ class TierIO(TierLink):
         return Outcome(tuple(ok), time.perf_counter() - t0, reason)
 
     def _tensor(self, client: Client, first_chunk: int, n: int) -> torch.Tensor:
+        if self._rows is None:
+            raise DaemonDown("the tier is closed")
         p = client.pool(self.pool)
         rows = torch.from_numpy(self._rows[first_chunk:first_chunk + n])
         return rows.view(p.dtype).reshape(n, *p.shape)
 
-    async def _store(self, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float, ok: list[bool]) -> str:
-        client = self._require()
+    async def _store(self, sync: SyncClient, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int],
+                     deadline: float, ok: list[bool]) -> str:
+        self._require(sync)
         todo = []
         for i, k in enumerate(keys):
             if client.lookup(self.pool, [k]).length:
@@ -107,32 +174,22 @@ class TierIO(TierLink):
         parent = None
         for run in runs(todo, chunk_ids):
             run_keys = [keys[i] for i in run]
-            j = 0
-            while j < len(run_keys):
-                errors = client.stats.event_errors
-                res = await client.put(self.pool, run_keys[j:], self._tensor(client, chunk_ids[run[j]], len(run) - j),
-                                       parent=run_keys[j - 1] if j else parent)
-                j += res.staged
-                if j == len(run_keys):
-                    break
-                if client.stats.event_errors > errors:
-                    self.counters.add("redis_errors")
-                    return "put_failed"
-                if time.monotonic() > deadline:
-                    self.counters.add("timeouts")
-                    return "staging_full"
-                self._require(client)
-                await asyncio.sleep(STORE_POLL_S)  # staging full: the daemon frees slots as it stores
+            res = await client.put(self.pool, run_keys, self._tensor(client, chunk_ids[run[0]], len(run)),
+                                   parent=parent, wait_s=max(0.0, deadline - time.monotonic()))
+            if res.dropped:
+                self.counters.add("redis_errors" if res.reason == "daemon_gone" else "timeouts")
+                return "put_failed" if res.reason == "daemon_gone" else "staging_full"
             parent = run_keys[-1]
-        stored = await self._wait_stored(client, [keys[i] for i in todo], deadline)
+        stored = await self._wait_stored(sync, client, [keys[i] for i in todo], deadline)
         for i in todo:
             ok[i] = keys[i] in stored
         return ""
 
-    async def _load(self, keys: Sequence[bytes], chunk_ids: Sequence[int], deadline: float, ok: list[bool]) -> str:
+    async def _load(self, sync: SyncClient, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int],
+                    deadline: float, ok: list[bool]) -> str:
         """Read what is resident here at once; ask the daemon to promote what only Redis holds,
         and read each of those as soon as it lands, until the deadline."""
-        client = self._require()
+        self._require(sync)
         local = [client.lookup(self.pool, [k]).length == 1 for k in keys]
         absent = [i for i, here in enumerate(local) if not here]
         reason = ""
@@ -145,7 +202,7 @@ class TierIO(TierLink):
                 try:
                     await client.prefetch(self.pool, [keys[i] for i in pending])  # Redis -> this node's cpu tier
                     self.counters.add("load_chunks_prefetched", len(pending))
-                except REDIS_ERRORS as e:
+                except RedisUnavailable as e:
                     self.counters.add("redis_errors")
                     self.warn.warning("vllm_tier.redis_failed", op="prefetch", error=str(e))
                     pending, reason = [], "prefetch_failed"
@@ -165,7 +222,7 @@ class TierIO(TierLink):
                     readable += landed
                     gone = set(landed)
                     pending = [i for i in pending if i not in gone]
-                live = self.up and self._client is client
+                live = self.link.current is sync
                 if pending and (time.monotonic() >= deadline or not live):
                     self.counters.add("timeouts" if live else "daemon_unavailable")
                     reason = reason or ("prefetch_timeout" if live else "daemon_unavailable")
@@ -192,7 +249,7 @@ class TierIO(TierLink):
                 ok[i] = True
             j += n + 1
 
-    async def _wait_stored(self, client: Client, keys: list[bytes], deadline: float) -> set[bytes]:
+    async def _wait_stored(self, sync: SyncClient, client: Client, keys: list[bytes], deadline: float) -> set[bytes]:
         """The keys kvtier made visible, waiting until all are, the deadline passes, or the daemon
         is lost. Visible here, or in Redis: a daemon with no local room writes a put straight
         there (checked every REDIS_CHECK_S, not at every poll)."""
@@ -212,5 +269,5 @@ class TierIO(TierLink):
             if now >= deadline:
                 self.counters.add("timeouts")
                 return stored
-            self._require(client)
+            self._require(sync)
             await asyncio.sleep(STORE_POLL_S)

@@ -14,6 +14,7 @@ Prometheus counter each, named vllm:kv_offload_kvtier_<name>):
     daemon_unavailable    jobs (or job phases) refused or cut short because the daemon was down
     redis_errors          Redis calls that failed (existence checks, put and prefetch events)
     timeouts              deadlines passed (lookups, staging room, residency)
+    errors                calls that failed otherwise (answered as misses; the link's count)
 """
 
 from __future__ import annotations
@@ -29,5 +30,5 @@ class Counters(_Counters):
         "lookup_local_hits", "lookup_async_hits", "lookup_misses", "lookup_unavailable", "lookup_errors",
         "store_chunks_ok", "store_chunks_failed", "store_chunks_deduped", "store_jobs_failed",
         "load_chunks_ok", "load_chunks_failed", "load_chunks_prefetched", "load_jobs_failed",
-        "read_failures", "daemon_unavailable", "redis_errors", "timeouts",
+        "read_failures", "daemon_unavailable", "redis_errors", "timeouts", "errors",
     )

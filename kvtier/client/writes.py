@@ -1,0 +1,178 @@
+"""The client's writes: put (from a tensor, or filled by the caller), and prefetch.
+
+A put stages blocks in the client's own staging segment (shared memory) and publishes one event;
+the daemon verifies and stores them. It never blocks on a busy daemon: what finds no staging slot
+is dropped and counted, unless the caller allows a wait (`wait_s`) for the slots the daemon frees
+as it stores. A mixin of Client, which provides the pools, the publisher and the copy threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.bus.failures import REDIS_ERRORS
+from kvtier.bus.publisher import Publisher
+from kvtier.client.access import AccessReports
+from kvtier.client.pools import ClientPool, host_rows
+from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
+from kvtier.core.events import Prefetch, Put, StagedBlock, TokenIds
+from kvtier.errors import BadRequest, RedisUnavailable
+from kvtier.keys import BlockKey, check_key, encode_tokens
+from kvtier.logs import LogThrottle
+from kvtier.processes import pid_alive
+from kvtier.shm.staging import StagingWriter
+
+# Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
+SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
+STAGING_POLL_S = 0.002  # while a put waits for staging room (wait_s): the daemon frees slots as it stores
+
+
+class ClientWrites:
+    _publisher: Publisher
+    _client_stream: str
+    _access: AccessReports
+    desc: dict[str, Any]
+    stats: ClientStats
+    quiet: LogThrottle
+
+    if TYPE_CHECKING:  # the other parts of Client (for the type checker only: see client/reads.py)
+        def pool(self, name: str) -> ClientPool: ...
+        def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup: ...
+        async def _copy(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any], nbytes: int,
+                        threads: int | None = None) -> list[Any]: ...
+
+    async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
+                  token_ids: Sequence[int] | None = None, wait_s: float = 0.0) -> PutResult:
+        """Hand new blocks to the daemon. `keys` is a chain: keys[0]'s parent is `parent` (None
+        for the chain's first block). What cannot be staged at once is dropped and counted
+        (`PutResult.reason` says why), unless `wait_s` > 0: then the put waits up to that long
+        for staging slots. `token_ids` (block_tokens per block, in block order) are only passed
+        on to routers, in the daemon's KV events (docs/integrations/events.md)."""
+        p = self.pool(pool)
+        p.check_tensor(kv, len(keys), "kv")
+
+        def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:
+            rows = host_rows(kv[off:], n)  # only the staged blocks leave a GPU
+            return lambda i, b: w.fill_slot(b, rows[i])
+
+        return await self._put(p, keys, parent, writer, token_ids, wait_s)
+
+    async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object],
+                       *, parent: bytes | None = None, token_ids: Sequence[int] | None = None,
+                       wait_s: float = 0.0) -> PutResult:
+        """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
+        a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
+        `fill` may run in the client's copy threads, several blocks side by side."""
+        p = self.pool(pool)
+
+        def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:
+            return lambda i, b: w.fill_slot_with(b, lambda dst: fill(off + i, dst))
+
+        return await self._put(p, keys, parent, writer, token_ids, wait_s)
+
+    async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None,
+                   writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
+                   token_ids: Sequence[int] | None, wait_s: float) -> PutResult:
+        """Stage what fits, in as many rounds as `wait_s` allows; each round is filled by
+        writer(staging, n_staged, offset)(i, slot) in copy threads, then published."""
+        bkeys = [check_key(k) for k in keys]
+        bparent = None if parent is None else check_key(parent)
+        tokens = None
+        if token_ids is not None:
+            tokens = encode_tokens(token_ids).tobytes()  # BadRequest for ids outside [0, 2**32)
+            want = len(bkeys) * p.layout.block_tokens
+            if len(tokens) != 4 * want:
+                raise BadRequest(f"token_ids: {len(bkeys)} blocks of {p.layout.block_tokens} tokens need {want} ids, "
+                                 f"got {len(tokens) // 4}")
+        if not bkeys:
+            return PutResult(0, 0)
+        deadline = time.monotonic() + max(0.0, wait_s)
+        done, reason = 0, DropReason.NONE
+        w = p.stager()
+        while True:
+            if not pid_alive(self.desc.get("pid")):
+                reason = DropReason.DAEMON_GONE  # nobody would drain the slots
+                break
+            n = await self._stage(p, w, bkeys[done:], bkeys[done - 1] if done else bparent, writer, done, tokens)
+            if n < 0:
+                reason = DropReason.DAEMON_GONE  # the event could not be published
+                break
+            done += n
+            if done == len(bkeys):
+                break
+            if time.monotonic() >= deadline:
+                reason = DropReason.STAGING_TIMEOUT if wait_s > 0 else DropReason.STAGING_FULL
+                break
+            await asyncio.sleep(STAGING_POLL_S)
+        dropped = len(bkeys) - done
+        if dropped:
+            self.stats.put_dropped += dropped
+            w.count_dropped(dropped)  # where the daemon collects it: the bus may be what failed
+            self.quiet.info("client.put_dropped", per=reason, pool=p.name, dropped=dropped, reason=reason.value)
+        return PutResult(done, dropped, reason)
+
+    async def _stage(self, p: ClientPool, w: StagingWriter, bkeys: list[BlockKey], parent: BlockKey | None,
+                     writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
+                     off: int, tokens: bytes | None) -> int:
+        """One round, for the put's blocks from `off` on: take the free slots for the leading
+        keys, fill them, publish one `put`. How many were staged (0: no free slot), or -1 when
+        publishing failed."""
+        staged = w.take_slots(bkeys, parent)
+        if not staged:
+            return 0
+        try:
+            write = writer(w, len(staged), off)
+            with p.in_use():
+                staged = await self._copy(lambda share: [write(i, b) for i, b in share], list(enumerate(staged)),
+                                          len(staged) * p.block_bytes)
+        except BaseException:
+            w.unstage(staged)
+            raise
+        w.staged(staged)
+        bt = 4 * p.layout.block_tokens
+        part = None if tokens is None else TokenIds(tokens[off * bt:(off + len(staged)) * bt])
+        try:
+            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part))
+        except REDIS_ERRORS as e:
+            w.unstage(staged)
+            self.stats.event_errors += 1
+            self.quiet.warning("client.put_failed", pool=p.name, error=str(e))
+            return -1
+        except BaseException:
+            # Cancelled mid-publish: free the slots. Safe even if the event did land, because
+            # the daemon re-checks each slot's generation before trusting it.
+            w.unstage(staged)
+            raise
+        return len(staged)
+
+    async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
+        """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis.
+        Read reports still pending go first, in the same round trip (AccessReports.take).
+        RedisUnavailable when the event cannot be published."""
+        self.pool(pool)
+        bkeys = tuple(check_key(k) for k in keys)
+        if bkeys:
+            reads = await self._access.take_in_order()
+            ask = Prefetch(pool, bkeys, None if parent is None else check_key(parent))
+            try:
+                await self._publisher.publish_many([*reads, (self._client_stream, ask)])
+            except REDIS_ERRORS as e:
+                if reads:
+                    self._access.lost(e)
+                raise RedisUnavailable(f"prefetch of {len(bkeys)} blocks not sent: {type(e).__name__}: {e}") from e
+
+    async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
+        """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""
+        deadline = time.monotonic() + timeout
+        while self.lookup(pool, keys).length < len(keys):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True

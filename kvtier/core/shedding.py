@@ -1,0 +1,105 @@
+"""Shedding: a local tier above its high watermark sends its coldest blocks down. Pure: no I/O;
+time is passed in.
+
+Above `high_watermark` of its slots (counting blocks on their way in, and for cpu the prefetched
+blocks waiting for room), a tier sheds its coldest evictable blocks down to `low_watermark`: a
+block the next tier already holds is evicted at once; any other is demoted (write-back) and
+stays readable, pinned, until the next tier reports it stored (then `Placement.on_fact` sends the
+evict). Candidates are the tier's LRU leaves (no resident child in the same tier), never leased
+ones nor ones whose children are on their way in; a block is also kept while a child of it sits
+in the other local tier and the move would take it off the node, so no block leaves the node
+before its extensions. When cpu has no room, gpu writes its victims that have no child in cpu
+straight to Redis: cpu may be full of exactly those protected parents, and waiting for it would
+freeze both tiers. With the frequency filter (`redis_admit_after_hits` = N > 0) a block read
+fewer than N times is not written to Redis: cpu drops it, with the reason "unreused".
+
+A block chosen to leave carries a leaving mark (a pin of its own, so it is never chosen twice)
+until its worker acts, the command fails, or `transfer_timeout_s` passes.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.events import Command, Demote, Evict, Reason, Tier
+from kvtier.core.index import TierIndex
+from kvtier.core.knobs import PolicyKnobs
+from kvtier.core.residency import LOCAL
+from kvtier.core.room import Room
+from kvtier.keys import BlockKey
+
+# Evict reasons that may drop a block no lower tier holds: documented rules, not accidents.
+DROP_REASONS = frozenset({Reason.UNREUSED})
+
+
+class Shedding(Room):
+    def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
+        super().__init__(tiers)
+        self.pool = pool
+        self.knobs = knobs
+        self._leaving: dict[tuple[Tier, BlockKey], float] = {}  # (tier, key) chosen to leave -> give-up time
+        # Demotes in flight: (destination, key) -> source. A block can be leaving gpu and cpu at
+        # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
+        # the fact alone does not say which copy a completed write-back releases.
+        self._demoting: dict[tuple[Tier, BlockKey], Tier] = {}
+
+    def reused(self, key: BlockKey) -> bool:
+        """Whether Redis should admit this block (the frequency filter): read often enough, or no
+        filter. The filter's drop (reason "unreused") is for the others only."""
+        n = self.knobs.redis_admit_after_hits
+        return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
+
+    def refused(self, t: Tier, key: BlockKey) -> None:
+        """A worker refused to evict: the block stays and may be chosen again."""
+        self._unmark(t, key)
+
+    def _expire(self, now: float) -> None:
+        super()._expire(now)
+        for t, key in [tk for tk, until in self._leaving.items() if until <= now]:
+            self._unmark(t, key)
+
+    def _unmark(self, t: Tier, key: BlockKey) -> None:
+        """`key` no longer leaves `t`: its mark, and any write-back of it from `t`, are called off."""
+        self._leaving.pop((t, key), None)
+        for dst in (Tier.CPU, Tier.REDIS):
+            if self._demoting.get((dst, key)) == t:
+                del self._demoting[(dst, key)]
+        self.tiers[t].clear_leaving(key)
+
+    def _shed(self, t: Tier, now: float) -> list[Command]:
+        idx = self.tiers[t]
+        if not idx.capacity:
+            return []
+        wanted = len(self._wanted) if t == Tier.CPU else 0
+        staying = idx.used + self.incoming(t) + wanted - idx.leaving
+        if staying <= self.knobs.high_watermark * idx.capacity:
+            return []
+        excess = staying - int(self.knobs.low_watermark * idx.capacity)
+        lower = Tier(t + 1)
+        give_up = now + self.knobs.transfer_timeout_s
+        out: list[Command] = []
+        for key in list(idx.candidates()):
+            if excess <= 0:
+                break
+            if key in self._leases or self._incoming[t].kids(key):
+                continue  # leased; or a child is on its way into this tier (tail first)
+            e = idx.get(key)
+            assert e is not None
+            dst = lower
+            if lower == Tier.CPU and key not in self.tiers[lower] and self.room(Tier.CPU) <= 0:
+                # cpu is full, perhaps of the very parents of these gpu blocks, which may not
+                # leave before them: write the gpu block straight to Redis rather than deadlock.
+                dst = Tier.REDIS
+            if self.strands_children(t, key, dst):
+                continue  # tail first across tiers too: it waits for room in cpu, or for its children
+            if key in self.tiers[dst]:
+                out.append(Evict(self.pool, key, t, Reason.CLEAN))
+            elif dst == Tier.REDIS and not self.reused(key):
+                out.append(Evict(self.pool, key, t, Reason.UNREUSED))  # the frequency filter's drop
+            else:
+                out.append(Demote(self.pool, key, e.parent, t, dst, e.slot, 0))
+                self._demoting[(dst, key)] = t
+                if dst in self._incoming:
+                    self._incoming[dst].add(key, e.parent, give_up)
+            idx.mark_leaving(key)  # readable until the worker acts, never picked twice
+            self._leaving[(t, key)] = give_up
+            excess -= 1
+        return out

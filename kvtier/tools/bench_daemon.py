@@ -1,0 +1,121 @@
+"""`kvtier bench` rows measured against a running daemon (kvtier/tools/bench_env.py): put, get,
+lookup and the bus, each against its bound in the same run (the targets: kvtier/tools/bench.py,
+the table: kvtier/tools/bench_report.py); and the daemon's CPU and memory at rest."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+import uuid
+
+import numpy as np
+
+from kvtier.tools.bench_basics import GB, best_time
+from kvtier.tools.bench_env import Env
+
+
+async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
+    import torch
+
+    from kvtier.client import Client
+
+    async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
+        p = client.pool("b")
+        bb = p.block_bytes
+        rng = np.random.default_rng(1)
+        data = rng.integers(0, 255, (n, bb), dtype=np.uint8)
+        kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
+        keys = client.block_keys("b", list(range(n * p.layout.block_tokens)), salt=b"bench")
+        # put: sustained, in chains of 64 blocks, until every block is visible in the cpu tier.
+        # One block first, untimed: the client's staging segment is created and paged in then.
+        warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=b"bench-warm")
+        await client.put("b", warm, kv[:1])
+        if not await client.wait_resident("b", warm, timeout=60):
+            raise RuntimeError("put: the warm-up block did not become visible")
+        t0 = time.perf_counter()
+        for i in range(0, n, 64):
+            res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
+            while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
+                await asyncio.sleep(0.001)
+                j = i + res.staged
+                res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
+        if not await client.wait_resident("b", keys, timeout=120):
+            raise RuntimeError("put: blocks did not become visible")
+        put_s = time.perf_counter() - t0
+        out["put"] = {"gbps": n * bb / put_s / GB}
+        # get: all blocks into one caller tensor
+        dst = torch.empty_like(kv)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            got_n = await client.get("b", keys, dst)
+            best = min(best, time.perf_counter() - t0)
+        # Every block read must be exactly the block put (a shorter prefix would be a miss, and
+        # the tier is sized so that none is shed: got == n is checked too).
+        ok = bool(np.array_equal(dst.view(torch.uint8).reshape(n, bb).numpy()[:got_n], data[:got_n]))
+        out["get"] = {"gbps": got_n * bb / best / GB, "correct": ok, "blocks_read": got_n, "all_resident": got_n == n}
+        out["put"]["correct"] = ok
+        # lookup: a 32,768-token prompt (2,048 blocks of 16), hashing included
+        tokens = rng.integers(0, 128_000, 32_768).tolist()
+        t_lookup = best_time(lambda: client.lookup("b", client.block_keys("b", tokens)), repeat * 3)
+        raw = np.asarray(tokens, dtype="<u4").tobytes()
+
+        def bare() -> None:
+            prev = b"\0" * 32
+            for i in range(0, len(raw), 64):
+                prev = hashlib.sha256(prev + raw[i:i + 64]).digest()
+
+        out["lookup"] = {"ms": t_lookup * 1000, "bound_ms": best_time(bare, repeat * 3) * 1000}
+        # bus: access events published until the daemon has applied (counted) them
+        from kvtier.bus.publisher import Publisher
+        from kvtier.core.events import Access
+
+        events = 5000 if n > 64 else 200
+        r = client._redis
+        pub = Publisher(r, "bench/client", time.time_ns(), 1_000_000)
+        stream = f"kvtier:{{{env.node}}}:client"
+
+        async def applied() -> bool:  # the coordinator acks an entry only after its effects
+            g = next(g for g in await r.xinfo_groups(stream) if g["name"] in (b"kvtier", "kvtier"))
+            return g["lag"] == 0 and g["pending"] == 0
+
+        t0 = time.perf_counter()
+        for _ in range(0, events, 100):
+            await pub.publish_many([(stream, Access("b", (keys[0],), 0))] * 100)
+        while not await applied():
+            await asyncio.sleep(0.001)
+        out["bus"] = {"events_per_s": events / (time.perf_counter() - t0)}
+        t0 = time.perf_counter()
+        raw_stream = f"bench-raw-{uuid.uuid4().hex[:6]}"
+        await r.xgroup_create(raw_stream, "g", id="0", mkstream=True)
+        payload = {"e": b"x" * 120}
+        for _ in range(0, events, 100):
+            async with r.pipeline(transaction=False) as pipe:
+                for _ in range(100):
+                    pipe.xadd(raw_stream, payload)
+                await pipe.execute()
+        seen = 0
+        while seen < events:
+            reply = await r.xreadgroup("g", "c", {raw_stream: ">"}, count=256)
+            for _s, entries in reply:
+                await r.xack(raw_stream, "g", *[e[0] for e in entries])
+                seen += len(entries)
+        out["bus"]["bound_per_s"] = events / (time.perf_counter() - t0)
+        await r.delete(raw_stream)
+
+
+def idle_row(env: Env, seconds: float, out: dict) -> None:
+    pid = env.daemon.proc.pid
+
+    def cpu() -> float:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(seconds)
+    pct = 100 * (cpu() - c0) / (time.monotonic() - t0)
+    status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
+    kb = lambda k: int(status.get(k, "0 kB").split()[0])  # noqa: E731
+    out["idle"] = {"cpu_pct": pct, "rss_beyond_arenas_mb": (kb("RssAnon") + kb("RssFile")) / 1024}

@@ -1,0 +1,129 @@
+"""The engine seam (issue 26): the one link every integration reaches the daemon through
+(kvtier/integrations/link.py), and the client contract it rests on, against real daemons."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import structlog
+import torch
+
+from kvtier.client import DropReason, SyncClient
+from kvtier.errors import CallTimeout, KvtierError, RedisUnavailable
+from kvtier.integrations.counters import Counters
+from kvtier.integrations.link import HEALTH_S, LINK_COUNTERS, EngineLink, PoolMismatch, PoolSpec
+from tests.support.blocks import SHAPE, make_kv, same_bytes
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+BLOCK_BYTES = 8192  # the test pool's
+
+
+def link_for(runtime_dir, spec: PoolSpec | None = None, **kw) -> EngineLink:
+    return EngineLink(runtime_dir=str(runtime_dir), spec=spec or PoolSpec("t", block_bytes=BLOCK_BYTES),
+                      counters=Counters(LINK_COUNTERS), log=structlog.get_logger("test"),
+                      **{"retry_s": 0.2, "call_timeout_s": 2.0, **kw})
+
+
+def test_a_missing_daemon_is_a_miss_then_the_link_connects_when_it_comes(daemon_factory):
+    d = daemon_factory(start=False)
+    link = link_for(d.runtime_dir)
+    try:
+        assert link.connect(first=True) is None  # no daemon: not an error at start
+        assert link.guard("lookup", "miss", lambda c: "hit") == "miss"
+        assert link.counters.snapshot()["daemon_unavailable"] == 1
+        assert link.client() is None, "no second attempt before retry_s"
+        d.start()
+        c = wait_until(link.client, timeout=10, message="the link connects once the daemon is up")
+        assert link.guard("lookup", "miss", lambda c: c.lookup("t", [bytes(32)]).length) == 0
+        assert link.client() is c
+        d.kill()
+        wait_until(lambda: link.client() is None, timeout=5 + HEALTH_S, message="the link notices the daemon died")
+        d.start()
+        wait_until(link.client, timeout=10, message="and follows it back")
+    finally:
+        link.close()
+
+
+def test_one_pool_check_in_the_engines_words(daemon_factory):
+    d = daemon_factory()
+    spec = PoolSpec("t", block_bytes=2 * BLOCK_BYTES, howto=lambda: "HOWTO",
+                    bytes_msg="my pages are {want} bytes, pool {name!r} has {have}")
+    with pytest.raises(PoolMismatch, match=r"my pages are 16384 bytes, pool 't' has 8192.*HOWTO"):
+        link_for(d.runtime_dir, spec).connect(first=True)
+    with pytest.raises(PoolMismatch, match="'nope' is not served"):
+        link_for(d.runtime_dir, PoolSpec("nope")).connect(first=True)
+    # Later (not the first connection): the link stays down and says why, once.
+    with structlog.testing.capture_logs() as logs:
+        link = link_for(d.runtime_dir, spec)
+        try:
+            assert link.connect() is None and link.client() is None
+            wait_until(lambda: link.connect() is None and link.mismatch, timeout=5, message="another try")
+        finally:
+            link.close()
+    assert [x["event"] for x in logs if x["event"].endswith("pool_mismatch")] == ["kvtier.pool_mismatch"]
+    assert "16384" in link.mismatch
+
+
+def test_the_guard_turns_every_failure_into_a_miss_a_counter_and_a_throttled_line(daemon_factory):
+    d = daemon_factory()
+    link = link_for(d.runtime_dir)
+    try:
+        assert link.client() is not None
+
+        def fail(error: BaseException):
+            def fn(c: SyncClient):
+                raise error
+            return fn
+
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(5):
+                assert link.guard("get", None, fail(CallTimeout("slow"))) is None
+            assert link.guard("get", None, fail(RedisUnavailable("down"))) is None
+            assert link.guard("get", None, fail(RuntimeError("a bug"))) is None
+        c = link.counters.snapshot()
+        assert (c["timeouts"], c["redis_errors"], c["errors"]) == (5, 1, 1)
+        assert [x["kind"] for x in logs] == ["timeouts", "redis_errors", "errors"], "one line per kind, not per call"
+        with pytest.raises(KeyError):  # what the integration asks to see itself is passed on
+            link.guard("get", None, fail(KeyError("mine")), expected=(KeyError,))
+    finally:
+        link.close()
+
+
+def test_put_with_waits_for_staging_room_within_its_deadline(daemon_factory):
+    d = daemon_factory(gpu=0, cpu=64)
+    link = link_for(d.runtime_dir, staging_blocks=4)  # 12 blocks through 4 staging slots
+    kv = make_kv(12, seed=7)
+    rows = kv.view(torch.uint8).reshape(12, -1).numpy()
+    try:
+        c = link.client()
+        keys = c.block_keys("t", list(range(16 * 12)))
+        at_once = c.put_with("t", keys, lambda i, dst: np.copyto(dst, rows[i]))
+        assert (at_once.staged, at_once.reason) == (4, DropReason.STAGING_FULL)
+        more = c.block_keys("t", list(range(10**5, 10**5 + 16 * 12)))
+        assert link.put_with(c, more, lambda i, dst: np.copyto(dst, rows[i]), parent=None, wait_s=10.0) == 12
+        assert c.wait_resident("t", more, timeout=10)
+        out = torch.empty((12, *SHAPE), dtype=torch.float16)
+        assert c.get("t", more, out) == 12 and same_bytes(out, kv)
+    finally:
+        link.close()
+
+
+def test_the_client_contract_errors_timeouts_and_submit(daemon_factory, redis_server):
+    d = daemon_factory()
+    with SyncClient(d.runtime_dir, timeout=5.0) as c:
+        keys = c.block_keys("t", list(range(16 * 3)))
+        fut = c.submit(lambda client: client.put("t", keys, make_kv(3, seed=1)))
+        assert isinstance(fut, concurrent.futures.Future) and fut.result(10).staged == 3
+        with pytest.raises(CallTimeout) as e:  # never resident: the call's own timeout ends it
+            c.locate("t", keys, timeout=1e-6)
+        assert isinstance(e.value, KvtierError) and isinstance(e.value, TimeoutError)
+        redis_server.stop()
+        for call in (lambda: c.prefetch("t", keys), lambda: c.where("t", keys), lambda: c.epoch("t", "x")):
+            with pytest.raises(RedisUnavailable):
+                call()
+        gone = c.put("t", c.block_keys("t", list(range(500, 548))), make_kv(3, seed=2))
+        assert (gone.staged, gone.dropped, gone.reason) == (0, 3, DropReason.DAEMON_GONE)
