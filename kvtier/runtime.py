@@ -20,7 +20,6 @@ from typing import Any
 DESCRIPTOR = "kvtier.json"
 STATS = "stats.json"
 LOCK = "daemon.lock"  # flocked by the daemon that owns the directory (daemon/node.py)
-FORMAT_VERSION = 1
 RUNTIME_DIR_ENV = "KVTIER__NODE__RUNTIME_DIR"
 
 

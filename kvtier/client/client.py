@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from kvtier.bus.connect import AsyncRedis, is_cluster, make_blocks_redis, make_redis
 from kvtier.bus.publisher import BusStats, Publisher
@@ -26,6 +25,7 @@ from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup
 from kvtier.client.writes import ClientWrites
 from kvtier.core.events import Tier
+from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_key, root_key
 from kvtier.logs import Log, LogThrottle
@@ -43,7 +43,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
     """The reads (client/reads.py), writes (client/writes.py) and Redis questions
     (client/redis_queries.py) of one connection to the node's daemon."""
 
-    def __init__(self, rdir: Path, desc: dict[str, Any], daemon_uid: int, redis_client: AsyncRedis,
+    def __init__(self, rdir: Path, desc: Descriptor, daemon_uid: int, redis_client: AsyncRedis,
                  staging_blocks: int, log: Log, copy_threads: int | None = None,
                  blocks_redis: AsyncRedis | None = None, remote_timeout: float = 2.0) -> None:
         copy_threads = default_copy_threads() if copy_threads is None else copy_threads
@@ -55,13 +55,13 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         self._copier: ThreadPoolExecutor | None = None  # made on the first big copy
         self.off_loop_bytes = OFF_LOOP_BYTES
         self.desc = desc
-        self.node: str = desc["node"]
+        self.node = desc.node
         self.log = log.bind(node=self.node)
         self._redis = redis_client
         # Block keys live on the blocks Redis, which is the bus's unless the daemon has a bus_url.
         self._blocks = redis_client if blocks_redis is None else blocks_redis
         self._block_batches = batches_for(self._blocks)
-        self._client_stream: str = desc["streams"]["client"]
+        self._client_stream = desc.streams.client
         self._publisher = Publisher(redis_client, f"{self.node}/client/{os.getpid()}/{secrets.token_hex(3)}",
                                     time.time_ns(), STREAM_MAXLEN, BusStats())
         self.pools = map_pools(desc, self.node, daemon_uid, staging_blocks)
@@ -70,7 +70,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         # seconds: an engine's stderr must not get a line per request.
         self.quiet = LogThrottle(self.log)
         self._access = AccessReports(self._publisher, self._client_stream, self.stats, self.quiet)
-        self._remote = RemoteReads(self._blocks, desc["redis"], remote_timeout, self.stats, self.log, self.quiet)
+        self._remote = RemoteReads(self._blocks, desc.redis, remote_timeout, self.stats, self.log, self.quiet)
         self._next_check = time.monotonic() + DESCRIPTOR_CHECK_S
 
     def _follow_restarts(self) -> None:
@@ -83,7 +83,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         self._next_check = now + DESCRIPTOR_CHECK_S
         try:
             desc, uid = read_descriptor(self._rdir)
-            if desc.get("epoch") == self.desc.get("epoch") or desc.get("node") != self.node:
+            if desc.epoch == self.desc.epoch or desc.node != self.node:
                 return
             pools = map_pools(desc, self.node, uid, self._staging_blocks)
         except (DaemonUnavailable, SegmentError, OSError, KeyError, ValueError, TypeError):
@@ -91,7 +91,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         old, self.pools, self.desc = self.pools, pools, desc
         for p in old.values():
             p.close()
-        self.log.info("client.daemon_restarted", epoch=desc.get("epoch"))
+        self.log.info("client.daemon_restarted", epoch=desc.epoch)
 
     # --- connect / close -----------------------------------------------------------------------
 
@@ -108,18 +108,18 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         (the descriptor's URL); the events still go over the daemon's bus."""
         rdir = runtime_dir_for(runtime_dir, os.environ)
         desc, daemon_uid = read_descriptor(rdir)
-        if not pid_alive(desc.get("pid")):
-            raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.get('pid')}) is not running")
-        r = make_redis(desc["redis"]["bus_url"], socket_timeout=socket_timeout, connect_timeout=socket_timeout,
+        if not pid_alive(desc.pid):
+            raise DaemonUnavailable(f"the daemon named in {rdir / DESCRIPTOR} (pid {desc.pid}) is not running")
+        r = make_redis(desc.redis.bus_url, socket_timeout=socket_timeout, connect_timeout=socket_timeout,
                        retries=1)
-        url = blocks_url or desc["redis"].get("url") or desc["redis"]["bus_url"]
-        blocks = None if url == desc["redis"]["bus_url"] and not is_cluster(r) else make_blocks_redis(
+        url = blocks_url or desc.redis.url or desc.redis.bus_url
+        blocks = None if url == desc.redis.bus_url and not is_cluster(r) else make_blocks_redis(
             url, socket_timeout=socket_timeout, connect_timeout=socket_timeout, retries=1)
         try:
             client = cls(rdir, desc, daemon_uid, r, staging_blocks, library_logger(), copy_threads, blocks,
                          socket_timeout if remote_timeout is None else remote_timeout)
-            client.log.info("client.connected", node=desc.get("node"), daemon_pid=desc.get("pid"),
-                            pools=sorted(desc.get("pools", {})), pid=os.getpid())
+            client.log.info("client.connected", node=desc.node, daemon_pid=desc.pid, pools=sorted(desc.pools),
+                            pid=os.getpid())
             return client
         except BaseException:
             await r.aclose()
@@ -131,7 +131,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         await self._access.close()
         self.quiet.flush()
         await self._remote.aclose()
-        alive = pid_alive(self.desc.get("pid"))  # or our staging drops would wait for no one
+        alive = pid_alive(self.desc.pid)  # or our staging drops would wait for no one
         for p in self.pools.values():
             p.close(daemon_alive=alive)
         if self._copier is not None:
@@ -150,7 +150,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
     def prefix_index(self) -> bool:
         """Whether this node's daemon writes the cluster prefix index that `where` reads
         ([prefix_index] enabled): without it, `where` cannot name this node."""
-        return bool(self.desc.get("prefix_index"))
+        return self.desc.prefix_index
 
     def pool(self, name: str) -> ClientPool:
         self._follow_restarts()

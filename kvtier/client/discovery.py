@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import structlog
 
+from kvtier.descriptor import Descriptor
 from kvtier.errors import DaemonUnavailable
 from kvtier.logs import Log
 from kvtier.runtime import DESCRIPTOR, read_json
 
 
-def read_descriptor(rdir: Path) -> tuple[dict[str, Any], int]:
+def read_descriptor(rdir: Path) -> tuple[Descriptor, int]:
     """The daemon's descriptor and the uid that owns it, from a directory only that uid controls.
     A runtime directory another user could write (say a pre-created /tmp/kvtier-<uid>) could
-    point us at segments and a Redis full of forged blocks, so it is refused."""
+    point us at segments and a Redis full of forged blocks, so it is refused. DescriptorError for
+    a descriptor of another kvtier release, or a malformed one."""
     path = rdir / DESCRIPTOR
     try:
         dst = rdir.stat()
         fst = path.stat()
-        desc = read_json(path)
+        raw = read_json(path)
     except (OSError, ValueError) as e:
         raise DaemonUnavailable(f"no kvtier daemon descriptor at {path}: {e}") from e
     if dst.st_mode & 0o022 or fst.st_mode & 0o022 or fst.st_uid != dst.st_uid:
         raise DaemonUnavailable(f"{path} or its directory is writable by others, or owned by another user; refusing")
-    return desc, fst.st_uid
+    return Descriptor.from_json(raw), fst.st_uid
 
 
 def library_logger() -> Log:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvtier.core.events import StagedBlock, Tier
+from kvtier.descriptor import Descriptor, PoolEntry
 from kvtier.errors import BadRequest, SegmentError
 from kvtier.keys import BlockKey
-from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import Kind, SlotTable
@@ -38,12 +37,12 @@ def host_rows(kv: torch.Tensor, n: int) -> npt.NDArray[np.uint8]:
     return host.contiguous().view(torch.uint8).reshape(n, -1).numpy()
 
 
-def map_pools(desc: Mapping[str, Any], node: str, daemon_uid: int, staging_blocks: int) -> dict[str, ClientPool]:
+def map_pools(desc: Descriptor, node: str, daemon_uid: int, staging_blocks: int) -> dict[str, ClientPool]:
     """Every pool the daemon's descriptor lists, mapped; on a failure none stays mapped."""
     pools: dict[str, ClientPool] = {}
     try:
-        for name, p in desc["pools"].items():
-            pools[name] = ClientPool(name, p, node, daemon_uid, desc.get("shm_gid"), staging_blocks)
+        for name, p in desc.pools.items():
+            pools[name] = ClientPool(name, p, node, daemon_uid, desc.shm_gid, staging_blocks)
     except BaseException:
         for mapped in pools.values():
             mapped.close()
@@ -52,12 +51,12 @@ def map_pools(desc: Mapping[str, Any], node: str, daemon_uid: int, staging_block
 
 
 class ClientPool:
-    def __init__(self, name: str, desc: Mapping[str, Any], node: str, daemon_uid: int, shm_gid: int | None,
+    def __init__(self, name: str, desc: PoolEntry, node: str, daemon_uid: int, shm_gid: int | None,
                  staging_blocks: int) -> None:
         self.name = name
-        self.layout = BlockLayout.from_dict(desc["layout"])
+        self.layout = desc.layout
         self.fingerprint = self.layout.fingerprint
-        if self.fingerprint.hex() != desc["fingerprint"]:
+        if self.fingerprint.hex() != desc.fingerprint:
             raise SegmentError(f"pool {name}: descriptor fingerprint does not match its layout")
         self.block_bytes = self.layout.block_bytes
         self.shape = self.layout.shape
@@ -67,24 +66,26 @@ class ClientPool:
         self._gid = shm_gid
         self._staging_blocks = staging_blocks
         fp, bb = self.fingerprint, self.block_bytes
-        self.directory = DirectoryReader(ShmSegment.attach(desc["directory"]["segment"], trusted_uid=daemon_uid), fp)
+        self.directory = DirectoryReader(ShmSegment.attach(desc.directory.segment, trusted_uid=daemon_uid), fp)
         self.tables: dict[Tier, SlotTable] = {}
         self.gpu_device_payload: torch.Tensor | None = None
-        if desc.get("gpu"):
-            g = desc["gpu"]
-            seg = ShmSegment.attach(g["segment"], trusted_uid=daemon_uid)
-            if g.get("device") == "cuda":
+        if desc.gpu is not None:
+            g = desc.gpu
+            seg = ShmSegment.attach(g.segment, trusted_uid=daemon_uid)
+            if g.device == "cuda":
                 from kvtier.shm.cuda_ipc import import_ipc
 
                 self.tables[Tier.GPU] = SlotTable.open(seg, Kind.GPU_HEADERS, fp, bb)
-                self.gpu_device_payload = import_ipc(g["ipc"])
+                if g.ipc is None:
+                    raise SegmentError(f"pool {name}: a cuda gpu tier without its IPC handle")
+                self.gpu_device_payload = import_ipc(g.ipc)
             else:
                 self.tables[Tier.GPU] = SlotTable.open(seg, Kind.ARENA, fp, bb)
-        cpu_dir = Path(desc["cpu"].get("dir") or SHM_DIR)  # a huge-page mount, or /dev/shm
+        cpu_dir = Path(desc.cpu.dir or SHM_DIR)  # a huge-page mount, or /dev/shm
         if not cpu_dir.is_absolute():
             raise SegmentError(f"pool {name}: the descriptor's arena directory {cpu_dir} is not absolute")
         self.tables[Tier.CPU] = SlotTable.open(
-            ShmSegment.attach(desc["cpu"]["segment"], trusted_uid=daemon_uid, directory=cpu_dir), Kind.ARENA, fp, bb)
+            ShmSegment.attach(desc.cpu.segment, trusted_uid=daemon_uid, directory=cpu_dir), Kind.ARENA, fp, bb)
         self.staging: StagingWriter | None = None
         self._users = 0  # calls copying through the mappings right now (see in_use)
         self._closing = False

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ from redis.exceptions import NoPermissionError
 from kvtier.bus.connect import AsyncRedis
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats
+from kvtier.descriptor import RedisEndpoints
 from kvtier.keys import BlockKey
 from kvtier.logs import Log, LogThrottle
 from kvtier.store.redis_blocks import CONNECTIONS, PIPELINE_BYTES, RedisBlocks, Verified
@@ -58,11 +59,11 @@ class Through:
 
 
 class RemoteReads:
-    def __init__(self, blocks_redis: AsyncRedis, desc_redis: dict[str, Any], timeout: float, stats: ClientStats,
+    def __init__(self, blocks_redis: AsyncRedis, desc_redis: RedisEndpoints, timeout: float, stats: ClientStats,
                  log: Log, quiet: LogThrottle) -> None:
         self._redis = blocks_redis
-        self._pipeline_bytes = int(desc_redis.get("pipeline_bytes") or PIPELINE_BYTES)
-        self._connections = int(desc_redis.get("connections") or CONNECTIONS)
+        self._pipeline_bytes = desc_redis.pipeline_bytes or PIPELINE_BYTES
+        self._connections = desc_redis.connections or CONNECTIONS
         self.timeout = timeout
         self.stats = stats
         self.log = log

@@ -133,7 +133,7 @@ class SyncClient:
     def daemon_alive(self) -> bool:
         """Whether the daemon this client follows (the descriptor's pid) is running."""
         self._client._follow_restarts()
-        return pid_alive(self._client.desc.get("pid"))
+        return pid_alive(self._client.desc.pid)
 
     def pool(self, name: str) -> ClientPool:
         """The mapped pool (its layout, block shape and dtype); UnknownPool if not served."""

@@ -23,6 +23,7 @@ from kvtier.client.access import AccessReports
 from kvtier.client.pools import ClientPool, host_rows
 from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
 from kvtier.core.events import Prefetch, Put, StagedBlock, TokenIds
+from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
 from kvtier.keys import BlockKey, check_key, encode_tokens
 from kvtier.logs import LogThrottle
@@ -38,7 +39,7 @@ class ClientWrites:
     _publisher: Publisher
     _client_stream: str
     _access: AccessReports
-    desc: dict[str, Any]
+    desc: Descriptor
     stats: ClientStats
     quiet: LogThrottle
 
@@ -97,7 +98,7 @@ class ClientWrites:
         done, reason = 0, DropReason.NONE
         w = p.stager()
         while True:
-            if not pid_alive(self.desc.get("pid")):
+            if not pid_alive(self.desc.pid):
                 reason = DropReason.DAEMON_GONE  # nobody would drain the slots
                 break
             n = await self._stage(p, w, bkeys[done:], bkeys[done - 1] if done else bparent, writer, done, tokens)

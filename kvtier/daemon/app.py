@@ -43,10 +43,11 @@ from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
 from kvtier.daemon.sdnotify import Notifier
 from kvtier.daemon.snapshot import pool_snapshot
+from kvtier.descriptor import Descriptor, RedisEndpoints, Streams
 from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads
-from kvtier.runtime import FORMAT_VERSION, STATS, write_json_atomic
+from kvtier.runtime import STATS, write_json_atomic
 from kvtier.shm.staging import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
@@ -149,7 +150,7 @@ class Daemon:
                     raise KvtierError(f"[metrics] listen = {cfg.metrics.listen!r}: cannot serve there: {e}") from None
                 stack.push_async_callback(lambda: bounded(self.log, "metrics", asyncio.to_thread(metrics.close)))
                 self.log.info("daemon.metrics", url=metrics.url)
-            stack.enter_context(descriptor(self.runtime_dir, self._descriptor(url, bus_url, gid)))
+            stack.enter_context(descriptor(self.runtime_dir, self._descriptor(url, bus_url, gid).to_json()))
             stack.callback(self._write_stats)  # the final stats, once the chores have stopped
             stack.callback(lambda: staging.reap(self._client_drops))  # ... with the clients' last drops
             # The chores' TaskGroup lives until shutdown(): past serve()'s drain (daemon/chores.py).
@@ -291,19 +292,13 @@ class Daemon:
         if self.prefix_index is not None:
             self.prefix_index.add_blocks(pool, Tier.CPU.label, [e.key for e in entries])
 
-    def _descriptor(self, url: str, bus_url: str, gid: int | None) -> dict[str, Any]:
-        return {
-            "version": FORMAT_VERSION,
-            "node": self.cfg.node.id,
-            "pid": os.getpid(),
-            "epoch": self.epoch,
-            "redis": {"url": url, "bus_url": bus_url, "pipeline_bytes": self.cfg.redis.pipeline_bytes,
-                      "connections": self.cfg.redis.connections},
-            "streams": {"client": self.names.client, "facts": self.names.facts, "dlq": self.names.dlq},
-            "shm_gid": gid,
-            "prefix_index": self.cfg.prefix_index.enabled,  # whether this daemon writes `where`'s index
-            "pools": {name: rt.descriptor() for name, rt in self.pools.items()},
-        }
+    def _descriptor(self, url: str, bus_url: str, gid: int | None) -> Descriptor:
+        return Descriptor(
+            node=self.cfg.node.id, pid=os.getpid(), epoch=self.epoch,
+            redis=RedisEndpoints(url, bus_url, self.cfg.redis.pipeline_bytes, self.cfg.redis.connections),
+            streams=Streams(self.names.client, self.names.facts, self.names.dlq), shm_gid=gid,
+            prefix_index=self.cfg.prefix_index.enabled,  # whether this daemon writes `where`'s index
+            pools={name: rt.descriptor() for name, rt in self.pools.items()})
 
     def _client_drops(self, fingerprint: bytes, blocks: int) -> None:
         """Blocks a client dropped before handing them over (its staging segment counts them)."""

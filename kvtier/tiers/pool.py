@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry
 from kvtier.core.policy import Placement
+from kvtier.descriptor import PoolEntry, Segment
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, DirectoryWriter
@@ -69,21 +70,14 @@ class PoolRuntime:
         self.placement.not_in_redis(key)
         self.directory.set_flag(key, IN_REDIS, False)
 
-    def descriptor(self) -> dict[str, object]:
-        def part(t: LocalTier | None) -> dict[str, object] | None:
-            if t is None:
-                return None
-            return {"segment": t.table.seg.name, "capacity": t.capacity, "dir": str(t.table.seg.directory)}
+    def descriptor(self) -> PoolEntry:
+        """This pool in the daemon's descriptor (kvtier/descriptor.py): what a client maps."""
+        def part(t: LocalTier) -> Segment:
+            return Segment(t.table.seg.name, t.capacity, str(t.table.seg.directory))
 
-        gpu = part(self.gpu)
-        if gpu is not None:
-            gpu["device"] = "cpu" if self.gpu_ipc is None else "cuda"
-            gpu["ipc"] = self.gpu_ipc
-        return {
-            "layout": self.layout.to_dict(),
-            "fingerprint": self.layout.fingerprint.hex(),
-            "block_bytes": self.layout.block_bytes,
-            "gpu": gpu,
-            "cpu": part(self.cpu),
-            "directory": {"segment": self.directory.seg.name, "capacity": self.directory.capacity},
-        }
+        gpu = None
+        if self.gpu is not None:
+            g = part(self.gpu)
+            gpu = Segment(g.segment, g.capacity, g.dir, "cpu" if self.gpu_ipc is None else "cuda", self.gpu_ipc)
+        return PoolEntry(self.layout, self.layout.fingerprint.hex(), self.layout.block_bytes, gpu, part(self.cpu),
+                         Segment(self.directory.seg.name, self.directory.capacity))

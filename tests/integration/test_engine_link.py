@@ -127,3 +127,23 @@ def test_the_client_contract_errors_timeouts_and_submit(daemon_factory, redis_se
                 call()
         gone = c.put("t", c.block_keys("t", list(range(500, 548))), make_kv(3, seed=2))
         assert (gone.staged, gone.dropped, gone.reason) == (0, 3, DropReason.DAEMON_GONE)
+
+
+def test_a_descriptor_of_another_release_is_one_clear_error(daemon_factory):
+    """The descriptor is one typed, versioned record (kvtier/descriptor.py): a client of another
+    kvtier release than its daemon is told so, rather than failing on a missing key later."""
+    import json
+
+    from kvtier.descriptor import DescriptorError
+    from kvtier.runtime import DESCRIPTOR, write_json_atomic
+
+    d = daemon_factory()
+    path = d.runtime_dir / DESCRIPTOR
+    good = json.loads(path.read_text())
+    write_json_atomic(path, {**good, "version": good["version"] + 1})
+    with pytest.raises(DescriptorError, match="different kvtier releases") as e:
+        SyncClient(d.runtime_dir)
+    assert isinstance(e.value, KvtierError)
+    write_json_atomic(path, good)
+    with SyncClient(d.runtime_dir) as c:
+        assert c.node == good["node"] and c.prefix_index is False
