@@ -68,8 +68,9 @@ class StagingWriter:
     """A client's own staging segment for one pool: it takes free slots, writes blocks into them
     under the seqlock, and takes back slots the daemon never released."""
 
-    def __init__(self, table: SlotTable) -> None:
+    def __init__(self, table: SlotTable, reclaim_s: float = STAGING_RECLAIM_S) -> None:
         self.table = table
+        self.reclaim_s = reclaim_s  # a slot the daemon has not released this long is taken back
         self._cursor = 0
         self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
 
@@ -140,13 +141,13 @@ class StagingWriter:
             if table.flags(slot) == Flags.EMPTY and table.gen(slot) % 2 == 0:
                 self._cursor = slot + 1
                 return slot
-        # None free. A slot the daemon has not released for STAGING_RECLAIM_S belongs to a put it
+        # None free. A slot the daemon has not released for `reclaim_s` belongs to a put it
         # will never store (dead-lettered, or lost with a Redis restart): take it back, or the
         # client would stay full for ever. Safe even if the put turns up later: rewriting the
         # slot changes its generation, so the daemon's read of the old put fails verification.
         now = time.monotonic()
         for slot, at in sorted(self._staged_at.items(), key=lambda kv: kv[1]):
-            if now - at < STAGING_RECLAIM_S:
+            if now - at < self.reclaim_s:
                 break
             del self._staged_at[slot]
             if table.flags(slot) == Flags.READY and table.gen(slot) % 2 == 0:

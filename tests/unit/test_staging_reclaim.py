@@ -1,13 +1,9 @@
 """A client takes back a staging slot the daemon never released (kvtier/shm/staging.py,
-`StagingWriter._free_slot`): once STAGING_RECLAIM_S have passed since the block was staged, a
-full staging segment hands out its oldest unreleased slot again, and the daemon's late read of
-the old put fails verification. Real shared memory: the client's StagingWriter and the daemon's
-StagingFile (pread/pwrite on the same file), no mocks.
-
-The reclaim time is a module constant, 10 s, that StagingWriter reads at each call. The test
-shortens it with monkeypatch rather than sleep 10 s: the code path and the clock are the real
-ones, only the window is shorter. (A cleaner seam would be a `reclaim_s` argument to
-StagingWriter, defaulting to STAGING_RECLAIM_S; kvtier/shm is not this change's to edit.)
+`StagingWriter._free_slot`): once `reclaim_s` (STAGING_RECLAIM_S, 10 s, in production) have
+passed since the block was staged, a full staging segment hands out its oldest unreleased slot
+again, and the daemon's late read of the old put fails verification. Real shared memory: the
+client's StagingWriter and the daemon's StagingFile (pread/pwrite on the same file), no mocks.
+The tests shorten the window rather than sleep 10 s; the code path and the clock are the real ones.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ import pytest
 
 from kvtier.core.events import StagedBlock
 from kvtier.keys import BlockKey
-from kvtier.shm import staging
 from kvtier.shm.staging import StagingFile, StagingWriter
 from tests.support.waiting import wait_until
 
@@ -42,10 +37,10 @@ def row(i: int) -> np.ndarray:
 
 
 @pytest.fixture
-def writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[StagingWriter]:
-    monkeypatch.setattr(staging, "STAGING_RECLAIM_S", RECLAIM_S)
+def writer() -> Iterator[StagingWriter]:
     w = StagingWriter.create(f"reclaim-{uuid.uuid4().hex[:8]}", SLOTS, BLOCK_BYTES, FINGERPRINT,
                              daemon_uid=os.geteuid(), shm_gid=None)
+    w.reclaim_s = RECLAIM_S  # the production window (STAGING_RECLAIM_S, 10 s) shortened for the test
     try:
         yield w
     finally:
@@ -100,9 +95,9 @@ def test_a_slot_the_daemon_never_released_is_taken_back_once_the_reclaim_time_ha
         daemon.close()
 
 
-def test_only_as_many_slots_as_a_put_needs_are_taken_back_oldest_first(writer, monkeypatch) -> None:
+def test_only_as_many_slots_as_a_put_needs_are_taken_back_oldest_first(writer) -> None:
     window = 1.0  # the older blocks pass it 0.9 s before the newer ones: room for a slow poll
-    monkeypatch.setattr(staging, "STAGING_RECLAIM_S", window)
+    writer.reclaim_s = window
     older = stage(writer, [0, 1])
     t_older = time.monotonic()
     wait_until(lambda: time.monotonic() - t_older >= 0.9 * window, timeout=5, message="the older blocks age")
