@@ -2,8 +2,9 @@
 the checksum their own copies are verified with."""
 
 from kvtier.client.client import Client
-from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
+from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult, ReadCounts
 from kvtier.client.sync import SyncClient
 from kvtier.shm.slots import checksum, checksum_parts
 
-__all__ = ["Client", "ClientStats", "DropReason", "Lookup", "PutResult", "SyncClient", "checksum", "checksum_parts"]
+__all__ = ["Client", "ClientStats", "DropReason", "Lookup", "PutResult", "ReadCounts", "SyncClient", "checksum",
+           "checksum_parts"]

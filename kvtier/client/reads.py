@@ -19,7 +19,7 @@ import torch
 from kvtier.client.access import AccessReports
 from kvtier.client.pools import ClientPool
 from kvtier.client.remote import RemoteReads, Through
-from kvtier.client.results import ClientStats, Lookup
+from kvtier.client.results import ClientStats, Lookup, ReadCounts
 from kvtier.errors import RedisUnavailable
 from kvtier.keys import BlockKey, check_key
 from kvtier.logs import LogThrottle
@@ -46,7 +46,8 @@ class ClientReads:
         async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None: ...
         async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool: ...
 
-    async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False) -> int:
+    async def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False,
+                  counts: ReadCounts | None = None) -> int:
         """Copy the leading blocks of `keys` into out[0..n) (CPU or CUDA tensor [>=len(keys), *block_shape]).
         Returns n, the number of leading blocks read and verified. Only out[:n] is meaningful:
         rows from n on may hold bytes of copies that failed verification or came after a miss.
@@ -58,23 +59,28 @@ class ClientReads:
         most `remote_timeout` seconds."""
         p = self.pool(pool)
         p.check_tensor(out, len(keys), "out")
-        return await self._read(p, [check_key(k) for k in keys], TensorRows(self, p, out), remote)
+        return await self._read(p, [check_key(k) for k in keys], TensorRows(self, p, out), remote, counts)
 
     async def get_with(self, pool: str, keys: Sequence[bytes], copy_out: CopyOut, digest: Callable[[int], int], *,
-                       remote: bool = False, land: Callable[[int], npt.NDArray[np.uint8] | None] | None = None) -> int:
+                       remote: bool = False, land: Callable[[int], npt.NDArray[np.uint8] | None] | None = None,
+                       counts: ReadCounts | None = None) -> int:
         """`get` into host memory of the caller's own layout: `copy_out(i, src)` copies block i
         from its slot (`src`, uint8, block_bytes) and `digest(i)` returns the xxh3-64 of what it
         wrote, in block order; a block whose digest or seqlock does not check out ends the prefix.
         With `remote=True` blocks not on this node come from Redis: straight into `land(i)` when
         it gives a contiguous uint8 array of block_bytes (the caller's page: verified where it
         landed), else through a buffer and `copy_out`, checked by `digest`. Returns n as get
-        does; what was written for blocks from n on must not be used."""
+        does; what was written for blocks from n on must not be used. `counts`, when given, gets
+        this call's own figures (local and Redis reads)."""
         p = self.pool(pool)
-        return await self._read(p, [check_key(k) for k in keys], CallerRows(self, p, copy_out, digest, land), remote)
+        return await self._read(p, [check_key(k) for k in keys], CallerRows(self, p, copy_out, digest, land), remote,
+                                counts)
 
-    async def _read(self, p: ClientPool, bkeys: list[BlockKey], rows: Rows, remote: bool) -> int:
+    async def _read(self, p: ClientPool, bkeys: list[BlockKey], rows: Rows, remote: bool,
+                    counts: ReadCounts | None = None) -> int:
         ok = await rows.read(range(len(bkeys)), bkeys)
         n = next((i for i, hit in enumerate(ok) if not hit), len(ok))
+        from_redis = 0
         if remote and n < len(bkeys):
             if self._remote.denied:
                 n += await self._pull(p, bkeys, rows, n)
@@ -84,10 +90,13 @@ class ClientReads:
                     self._access.note_remote(p.name, bkeys[first:last + 1], bkeys[first - 1] if first else None)
                 if not got.n and self._remote.denied:
                     got = Through(await self._pull(p, bkeys, rows, n), [])
+                from_redis = len(got.remote)
                 n += got.n
         self.stats.reads += n
         self.stats.read_misses += len(bkeys) - n
         self._access.note(p.name, bkeys[:n], len(bkeys) - n)
+        if counts is not None:
+            counts.local, counts.remote = n - from_redis, from_redis
         return n
 
     async def _pull(self, p: ClientPool, bkeys: list[BlockKey], rows: Rows, start: int) -> int:

@@ -38,6 +38,8 @@ from kvtier.keys import BlockKey
 from kvtier.logs import Log, LogThrottle
 from kvtier.store.redis_blocks import CONNECTIONS, PIPELINE_BYTES, RedisBlocks, Verified
 
+FETCH_PART_BYTES = 256 << 20  # a read-through fetches at most this much at once (its buffers' bound)
+
 
 class Destination(Protocol):
     """Where a read-through's blocks go (client/reads.py `Rows`): a caller's tensor, or memory
@@ -65,6 +67,7 @@ class RemoteReads:
         self._pipeline_bytes = desc_redis.pipeline_bytes or PIPELINE_BYTES
         self._connections = desc_redis.connections or CONNECTIONS
         self.timeout = timeout
+        self.part_bytes = FETCH_PART_BYTES
         self.stats = stats
         self.log = log
         self.warn = quiet.warning  # a Redis outage: one line, then a count every few seconds
@@ -110,20 +113,16 @@ class RemoteReads:
                     ok[i] = hit
                 # A local copy that failed verification (evicted, rewritten) may still be in Redis.
                 fetched = sorted([i for i in away if i < end] + [i for i in mine if not ok[i]])
-                delivered: dict[int, bool] = {}
-
-                def into(j: int) -> npt.NDArray[np.uint8]:
-                    got = dest.landing(fetched[j])
-                    return np.empty(pool.block_bytes, dtype=np.uint8) if got is None else got
-
-                def then(j: int, v: Verified) -> None:
-                    delivered[j] = dest.deliver(fetched[j], v[0], v[1])
-
-                got = await rb.fetch([keys[i] for i in fetched], into=into, then=then, executor=executor)
-                for j, (i, g) in enumerate(zip(fetched, got)):
-                    ok[i] = isinstance(g, tuple) and delivered.get(j, False)
-                    if isinstance(g, Exception) and not isinstance(stop, Exception):
-                        stop = g
+                # In parts of at most FETCH_PART_BYTES: a value that cannot land in place lands in
+                # a buffer first, and those buffers must not add up to the whole prefix at once.
+                per = max(1, self.part_bytes // pool.block_bytes)
+                for at in range(0, len(fetched), per):
+                    part = fetched[at:at + per]
+                    failed = await self._fetch(rb, pool, keys, part, dest, executor, ok)
+                    if failed is not None and not isinstance(stop, Exception):
+                        stop = failed
+                    if not all(ok[i] for i in part):
+                        break  # the run ends in this part: what follows cannot count
         except TimeoutError:
             self.stats.remote_s += time.perf_counter() - t0
             self.stats.remote_failures += 1
@@ -144,6 +143,28 @@ class RemoteReads:
             self.warn("client.remote_read_failed", pool=pool.name, at=n, of=len(rest),
                       error=f"{type(stop).__name__}: {stop}")
         return Through(n, remote)
+
+    @staticmethod
+    async def _fetch(rb: RedisBlocks, pool: ClientPool, keys: Sequence[BlockKey], rows: list[int],
+                     dest: Destination, executor: Executor | None, ok: dict[int, bool]) -> Exception | None:
+        """One part of a read-through: `rows` from Redis into `dest`, each verified; ok[row] set.
+        The first error Redis gave, if any."""
+        delivered: dict[int, bool] = {}
+
+        def into(j: int) -> npt.NDArray[np.uint8]:
+            got = dest.landing(rows[j])
+            return np.empty(pool.block_bytes, dtype=np.uint8) if got is None else got
+
+        def then(j: int, v: Verified) -> None:
+            delivered[j] = dest.deliver(rows[j], v[0], v[1])
+
+        error: Exception | None = None
+        got = await rb.fetch([keys[i] for i in rows], into=into, then=then, executor=executor)
+        for j, (i, g) in enumerate(zip(rows, got)):
+            ok[i] = isinstance(g, tuple) and delivered.get(j, False)
+            if isinstance(g, Exception) and error is None:
+                error = g
+        return error
 
     async def aclose(self) -> None:
         for rb in self._pools.values():

@@ -25,7 +25,8 @@ class DropReason(enum.StrEnum):
     NONE = ""  # every block was staged
     STAGING_FULL = "staging_full"  # no free staging slot: the daemon has not stored the earlier puts yet
     STAGING_TIMEOUT = "staging_timeout"  # still none when the put's `wait_s` ran out
-    DAEMON_GONE = "daemon_gone"  # the daemon is not running, or its bus could not be reached
+    DAEMON_GONE = "daemon_gone"  # the daemon is not running
+    BUS_UNREACHABLE = "bus_unreachable"  # the put event could not be published (the bus Redis)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,15 @@ class PutResult:
     staged: int
     dropped: int
     reason: DropReason = DropReason.NONE
+
+
+@dataclass(slots=True)
+class ReadCounts:
+    """One read's own figures, for a caller that shares its client with other threads (where the
+    client's running totals in ClientStats mix everyone's calls): pass one to get / get_with."""
+
+    local: int = 0  # blocks read from this node's shared memory
+    remote: int = 0  # blocks read straight from Redis
 
 
 @dataclass(slots=True)

@@ -15,13 +15,29 @@ import torch
 
 from kvtier.client.client import Client
 from kvtier.client.pools import ClientPool
-from kvtier.client.results import ClientStats, Lookup, PutResult
+from kvtier.client.results import ClientStats, Lookup, PutResult, ReadCounts
 from kvtier.core.where import Where
 from kvtier.errors import CallTimeout
 from kvtier.keys import BlockKey
 from kvtier.processes import pid_alive
 
 T = TypeVar("T")
+
+
+LOOP_GRACE_S = 5.0  # past a call's own deadline: how long a caller waits for a loop that stopped answering
+CLOSE_S = 5.0  # how long closing waits for what still runs on the loop, and for the client's own close
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout: float) -> T:
+    """`coro` within `timeout`: CallTimeout when that deadline passed (a TimeoutError raised
+    inside, e.g. by a socket, passes as it is)."""
+    try:
+        async with asyncio.timeout(timeout) as cm:
+            return await coro
+    except TimeoutError as e:
+        if cm.expired():
+            raise CallTimeout(f"the call took longer than {timeout:g} s and was cancelled") from e
+        raise
 
 
 class SyncClient:
@@ -42,15 +58,19 @@ class SyncClient:
             raise
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        # The deadline is kept on the loop (wait_for), not here: a call that times out is cancelled
-        # there and this returns only once it has unwound, so no copy it started can still be
-        # writing into the caller's memory (a tensor, an engine's page) after CallTimeout.
+        # The deadline is kept on the loop, not here: a call that times out is cancelled there and
+        # this returns only once it has unwound, so no copy it started can still be writing into
+        # the caller's memory (a tensor, an engine's page) after CallTimeout. The wait here has a
+        # bound of its own only for a loop that stopped answering altogether.
         t = self._timeout if timeout is None else timeout
-        fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, t), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(_bounded(coro, t), self._loop)
         try:
-            return fut.result()
-        except TimeoutError as e:
-            raise CallTimeout(f"the call took longer than {t:g} s and was cancelled") from e
+            return fut.result(t + LOOP_GRACE_S)
+        except concurrent.futures.TimeoutError as e:
+            if fut.done():
+                raise  # the call's own (CallTimeout: its deadline passed, and it has unwound)
+            fut.cancel()  # the wait here ran out: the loop is not answering
+            raise CallTimeout(f"the client's loop did not answer within {t + LOOP_GRACE_S:g} s") from e
         except BaseException:
             fut.cancel()  # interrupted (Ctrl-C): do not leave the call running behind our back
             raise
@@ -79,16 +99,17 @@ class SyncClient:
         return self._call(self._client.locate(pool, keys), timeout)
 
     def get(self, pool: str, keys: Sequence[bytes], out: torch.Tensor, *, remote: bool = False,
-            timeout: float | None = None) -> int:
+            counts: ReadCounts | None = None, timeout: float | None = None) -> int:
         """Client.get; `remote=True` reads each block of the leading run from wherever it is."""
-        return self._call(self._client.get(pool, keys, out, remote=remote), timeout)
+        return self._call(self._client.get(pool, keys, out, remote=remote, counts=counts), timeout)
 
     def get_with(self, pool: str, keys: Sequence[bytes], copy_out: Callable[[int, npt.NDArray[np.uint8]], object],
                  digest: Callable[[int], int], *, remote: bool = False,
                  land: Callable[[int], npt.NDArray[np.uint8] | None] | None = None,
-                 timeout: float | None = None) -> int:
+                 counts: ReadCounts | None = None, timeout: float | None = None) -> int:
         """Client.get_with."""
-        return self._call(self._client.get_with(pool, keys, copy_out, digest, remote=remote, land=land), timeout)
+        return self._call(self._client.get_with(pool, keys, copy_out, digest, remote=remote, land=land,
+                                                counts=counts), timeout)
 
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
             token_ids: Sequence[int] | None = None, wait_s: float = 0.0, timeout: float | None = None) -> PutResult:
@@ -135,6 +156,11 @@ class SyncClient:
         self._client._follow_restarts()
         return pid_alive(self._client.desc.pid)
 
+    def mapped(self, name: str) -> ClientPool | None:
+        """The pool as mapped now, or None: no I/O, and no look for a restarted daemon (for an
+        engine's hot path; `pool` follows restarts)."""
+        return self._client.pools.get(name)
+
     def pool(self, name: str) -> ClientPool:
         """The mapped pool (its layout, block shape and dtype); UnknownPool if not served."""
         return self._client.pool(name)
@@ -143,15 +169,34 @@ class SyncClient:
         return self._call(self._client.wait_resident(pool, keys, timeout))
 
     def close(self) -> None:
+        """Cancel what still runs on the client's loop (calls of other threads and `submit`ted
+        jobs end with CancelledError, once their copies have finished), close the client, stop
+        the loop. Idempotent."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return
         try:
-            self._call(self._client.close())
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_S + LOOP_GRACE_S)
+        except Exception:  # noqa: BLE001 - the loop stops below whatever happened
+            pass
         finally:
             self._stop_loop()
 
+    async def _shutdown(self) -> None:
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        for t in others:
+            t.cancel(msg="the kvtier client is closing")
+        if others:
+            await asyncio.wait(others, timeout=CLOSE_S)
+        if hasattr(self, "_client"):
+            async with asyncio.timeout(CLOSE_S):
+                await self._client.close()
+
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        self._thread.join(CLOSE_S)
+        if not self._thread.is_alive():  # a loop still running cannot be closed: left to the process
+            self._loop.close()
 
     def __enter__(self) -> SyncClient:
         return self

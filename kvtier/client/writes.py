@@ -103,7 +103,7 @@ class ClientWrites:
                 break
             n = await self._stage(p, w, bkeys[done:], bkeys[done - 1] if done else bparent, writer, done, tokens)
             if n < 0:
-                reason = DropReason.DAEMON_GONE  # the event could not be published
+                reason = DropReason.BUS_UNREACHABLE  # the event could not be published
                 break
             done += n
             if done == len(bkeys):

@@ -1,21 +1,22 @@
 """The engine seam: how every integration reaches the node's daemon (engine -> integration -> link
 -> client -> daemon).
 
-An engine must keep serving while kvtier is down, and calls its cache from several threads. So
-the link:
-- finds the daemon lazily: `client()` answers at once with the live `SyncClient`, or None while
-  the daemon is unreachable; a reconnect is tried at most every `retry_s`, by one thread at a
-  time, the others answering None meanwhile;
-- notices a daemon that died by its pid (at most every HEALTH_S), and follows a restart;
-- checks the engine's pool on every new connection (`PoolSpec`): a pool that cannot hold the
-  engine's blocks keeps the link down (`PoolMismatch`, raised at the first connection so that the
-  engine's start fails with the reason, logged later);
+An engine must keep serving while kvtier is down, and calls its cache from several threads that
+must not wait. So the link:
+- keeps the connection up in a watcher thread of its own: every `watch_s` it checks that the
+  daemon still runs (its pid) and that its pool still fits the engine (`PoolSpec`; a restarted
+  daemon may serve another one), drops a client that fails either, and while there is none tries
+  to connect every `retry_s` (`mismatch_retry_s` after a pool that did not fit: mapping every
+  pool is not free). The engine's threads only read `client()`: the live `SyncClient`, or None;
+- raises `PoolMismatch` from the first connection (`start(first=True)`), so that the engine's
+  start fails with the reason; later mismatches keep the link down and are logged once;
 - guards every call (`guard`): any kvtier failure is the caller's miss value, a counter and a
-  throttled log line, never an exception in the engine.
+  line throttled per operation and kind, never an exception in the engine.
 
 It is synchronous, on `SyncClient` (whose one loop thread runs every call; `submit` overlaps
-jobs). No engine import here; integrations map the link's counters (`LINK_COUNTERS`, plus their
-own) to their engine's metric names.
+jobs). Closing a dropped client cancels what still runs on it: those calls are misses. No
+engine import here; integrations add their own counter names to the link's (`LINK_COUNTERS`) and
+report them under their engine's metric names.
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ from typing import Any, TypeVar
 
 from kvtier.client import SyncClient
 from kvtier.client.pools import ClientPool
-from kvtier.errors import CallTimeout, KvtierError, RedisUnavailable, UnknownPool
+from kvtier.errors import RedisUnavailable, UnknownPool
 from kvtier.integrations.counters import Counters
 from kvtier.logs import LogThrottle
 
 T = TypeVar("T")
-HEALTH_S = 0.5  # how often a connected link checks that its daemon still runs
+WATCH_S = 0.5  # how often the watcher checks a live daemon (its pid, its pool)
+MISMATCH_RETRY_S = 5.0  # after a pool that did not fit: the next try
 
 # What the link itself counts; integrations add their own names to the same Counters.
 LINK_COUNTERS = (
-    "daemon_unavailable",  # connection attempts that failed, and calls refused while the daemon was down
+    "connect_failures",  # connection attempts that failed (no daemon, Redis unreachable, ...)
+    "daemon_lost",  # times a connected daemon was found gone (its pid)
+    "pool_mismatches",  # pools found not to fit the engine's blocks (each distinct finding once)
     "timeouts",  # calls cut short by their timeout
     "redis_errors",  # calls that failed on Redis (unreachable, refused)
     "errors",  # calls that failed otherwise (answered as misses)
@@ -85,41 +89,76 @@ class PoolSpec:
 class EngineLink:
     def __init__(self, *, runtime_dir: str | None, spec: PoolSpec, counters: Counters, log: Any,
                  retry_s: float = 1.0, staging_blocks: int = 32, connect_timeout_s: float = 5.0,
-                 call_timeout_s: float = 5.0, remote_timeout_s: float | None = None, component: str = "kvtier") -> None:
-        self.spec = spec
+                 socket_timeout_s: float = 2.0, call_timeout_s: float = 5.0, remote_timeout_s: float | None = None,
+                 watch_s: float = WATCH_S, mismatch_retry_s: float = MISMATCH_RETRY_S,
+                 component: str = "kvtier") -> None:
+        self._spec = spec
         self.counters = counters
         self.log = log
         self.quiet = LogThrottle(log)
         self.call_timeout_s = call_timeout_s
         self._component = component
-        self._connect_kw = {"staging_blocks": staging_blocks, "timeout": connect_timeout_s,
-                            "socket_timeout": call_timeout_s, "remote_timeout": remote_timeout_s}
+        self._connect_kw: dict[str, Any] = {"staging_blocks": staging_blocks, "timeout": connect_timeout_s,
+                                            "socket_timeout": socket_timeout_s, "remote_timeout": remote_timeout_s}
         self._runtime_dir = runtime_dir
-        self._retry_s = retry_s
-        self._lock = threading.Lock()
+        self._retry_s, self._mismatch_retry_s, self._watch_s = retry_s, mismatch_retry_s, watch_s
+        self._lock = threading.Lock()  # guards _client and _closed
         self._client: SyncClient | None = None
-        self._checked_at = 0.0
+        self._closed = False
         self._next_try = 0.0
-        self._connecting = False
+        self._wake = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.mismatch = ""  # the last PoolMismatch, while it keeps the link down
+
+    @property
+    def spec(self) -> PoolSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: PoolSpec) -> None:
+        """A fuller spec, once the integration knows its blocks: checked against the live client at
+        once (no call may use a pool that does not fit), and on every connection from then on."""
+        self._spec = spec
+        c = self._client
+        if c is None:
+            return
+        try:
+            spec.check(c)
+        except PoolMismatch as e:
+            self._mismatched(e)
+            self._drop(c)
 
     # --- the connection ------------------------------------------------------------------------
 
+    def start(self, *, first: bool = False) -> EngineLink:
+        """Connect once now (with `first`, a PoolMismatch propagates: the engine's start fails with
+        it), then keep the connection up from the watcher thread."""
+        if first:
+            self._connect(first=True)
+        self._watcher = threading.Thread(target=self._watch, name=f"{self._component}-link", daemon=True)
+        self._watcher.start()
+        return self
+
     def client(self) -> SyncClient | None:
-        """The live client, or None while the daemon is unreachable (or its pool does not fit)."""
-        now = time.monotonic()
-        with self._lock:
-            c = self._client
-            if c is not None and now - self._checked_at < HEALTH_S:
-                return c
-            if c is None and (self._connecting or now < self._next_try):
-                return None
-            self._checked_at = now
-        if c is not None:
-            if self._fits(c):
-                return c
-            self._drop(c)
-        return self.connect()
+        """The live client, or None while the daemon is unreachable (or its pool does not fit).
+        Never waits: the watcher thread does the connecting and the checking."""
+        return self._client
+
+    current = property(client)
+
+    def _watch(self) -> None:
+        while not self._closed:
+            try:
+                c = self._client
+                if c is not None:
+                    if not self._fits(c):
+                        self._drop(c)
+                elif time.monotonic() >= self._next_try:
+                    self._connect()
+            except Exception as e:  # noqa: BLE001 - the watcher must outlive any surprise
+                self.quiet.warning(f"{self._component}.watch_failed", error=f"{type(e).__name__}: {e}")
+            self._wake.wait(self._watch_s)
+            self._wake.clear()
 
     def _fits(self, c: SyncClient) -> bool:
         """The daemon still runs (its pid), and its pool (perhaps restarted) still fits."""
@@ -128,7 +167,9 @@ class EngineLink:
         except Exception:  # noqa: BLE001 - anything here means "look again"
             alive = False
         if not alive:
-            self.quiet.warning(f"{self._component}.daemon_lost", detail="every lookup misses until it is back")
+            self.counters.add("daemon_lost")
+            self.quiet.warning(f"{self._component}.daemon_lost", detail="every call misses until it is back")
+            self._next_try = 0.0  # try at once: a restarted daemon is usually back already
             return False
         try:
             self.spec.check(c)
@@ -137,43 +178,42 @@ class EngineLink:
             return False
         return True
 
-    def connect(self, *, first: bool = False) -> SyncClient | None:
-        """One attempt; with `first` a PoolMismatch propagates (the engine's start fails with it)."""
-        with self._lock:
-            if self._connecting:
-                return None
-            self._connecting = True
-            self._next_try = time.monotonic() + self._retry_s
+    def _connect(self, *, first: bool = False) -> SyncClient | None:
+        self._next_try = time.monotonic() + self._retry_s
         try:
-            try:
-                c = SyncClient(self._runtime_dir, **self._connect_kw)  # type: ignore[arg-type]
-            except Exception as e:  # noqa: BLE001 - DaemonUnavailable, OSError, a Redis error, a timeout
-                self.counters.add("daemon_unavailable")
-                self.quiet.warning(f"{self._component}.call_failed", per=("connect", "daemon_unavailable"),
-                                   op="connect", kind="daemon_unavailable", error=f"{type(e).__name__}: {e}",
-                                   detail=f"every lookup misses; trying again every {self._retry_s:g} s")
-                return None
-            try:
-                self.spec.check(c)
-            except PoolMismatch as e:
+            c = SyncClient(self._runtime_dir, **self._connect_kw)
+        except Exception as e:  # noqa: BLE001 - DaemonUnavailable, OSError, a Redis error, a timeout
+            self.counters.add("connect_failures")
+            self.quiet.warning(f"{self._component}.call_failed", per=("connect", "unavailable"), op="connect",
+                               kind="connect_failures", error=f"{type(e).__name__}: {e}",
+                               detail=f"every call misses; trying again every {self._retry_s:g} s")
+            return None
+        try:
+            self.spec.check(c)
+        except PoolMismatch as e:
+            self._close_quietly(c)
+            if first:
+                raise
+            self._mismatched(e)
+            return None
+        except BaseException:
+            self._close_quietly(c)
+            raise
+        with self._lock:
+            if self._closed:  # closed meanwhile: this client is nobody's
                 self._close_quietly(c)
-                if first:
-                    raise
-                self._mismatched(e)
                 return None
-            self.mismatch = ""
-            with self._lock:
-                old, self._client, self._checked_at = self._client, c, time.monotonic()
-            if old is not None:
-                self._close_quietly(old)
-            self.log.info(f"{self._component}.connected", node=c.node, pool=self.spec.name)
-            return c
-        finally:
-            with self._lock:
-                self._connecting = False
+            old, self._client = self._client, c
+        self.mismatch = ""
+        if old is not None:
+            self._close_quietly(old)
+        self.log.info(f"{self._component}.connected", node=c.node, pool=self.spec.name)
+        return c
 
     def _mismatched(self, e: PoolMismatch) -> None:
+        self._next_try = time.monotonic() + self._mismatch_retry_s
         if str(e) != self.mismatch:
+            self.counters.add("pool_mismatches")
             self.log.error(f"{self._component}.pool_mismatch", error=str(e))
         self.mismatch = str(e)
 
@@ -181,20 +221,12 @@ class EngineLink:
         with self._lock:
             if self._client is c:
                 self._client = None
-                self._next_try = 0.0  # try at once: a restarted daemon is usually back already
-        self._close_quietly(c)
-
-    @property
-    def current(self) -> SyncClient | None:
-        """The client as it stands, without a health check or a connection attempt (for jobs on
-        the client's own loop thread, which must not connect)."""
-        return self._client
+        self._close_quietly(c)  # cancels what still runs on it: misses for their callers
 
     def lost(self, c: SyncClient) -> None:
-        """A call on `c` failed as if the daemon were gone: look again on the next call."""
-        with self._lock:
-            if self._client is c:
-                self._checked_at = 0.0
+        """A call on `c` failed as if the daemon were gone: have the watcher look at once."""
+        if self._client is c:
+            self._wake.set()
 
     @staticmethod
     def _close_quietly(c: SyncClient) -> None:
@@ -203,41 +235,34 @@ class EngineLink:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             c, self._client = self._client, None
-            self._next_try = float("inf")
+        self._wake.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(10)
         if c is not None:
             self._close_quietly(c)
 
     # --- the guard -----------------------------------------------------------------------------
 
-    def guard(self, op: str, miss: T, fn: Callable[[SyncClient], T],
-              expected: tuple[type[BaseException], ...] = ()) -> T:
+    def guard(self, op: str, miss: T, fn: Callable[[SyncClient], T]) -> T:
         """fn(client), or `miss` when the daemon is down or anything goes wrong: counted, logged
-        (throttled), never raised into the engine. Errors of the `expected` types are re-raised
-        for the integration to map (e.g. to its own counters) before the guard sees them."""
-        try:
-            client = self.client()
-        except Exception as e:  # noqa: BLE001 - a PoolMismatch is raised only by connect(first=True)
-            self.failed(op, e)
-            return miss
+        (throttled), never raised into the engine."""
+        client = self._client
         if client is None:
             return miss
         try:
             return fn(client)
-        except expected:
-            raise
         except Exception as e:  # noqa: BLE001 - the engine must never fail because of its cache
             self.failed(op, e)
-            if not isinstance(e, (KvtierError, ValueError, TypeError)) or isinstance(e, (CallTimeout,
-                                                                                         RedisUnavailable)):
+            if isinstance(e, (TimeoutError, RedisUnavailable, ConnectionError)):
                 self.lost(client)
             return miss
 
     def failed(self, op: str, error: BaseException) -> None:
         """Count and log (throttled, per operation and kind) a failure the caller turns into a miss."""
         kind = ("timeouts" if isinstance(error, TimeoutError) else
-                "redis_errors" if isinstance(error, RedisUnavailable) else
-                "daemon_unavailable" if isinstance(error, ConnectionError) else "errors")
+                "redis_errors" if isinstance(error, RedisUnavailable) else "errors")
         self.counters.add(kind)
         detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         self.quiet.warning(f"{self._component}.call_failed", per=(op, kind), op=op, kind=kind, error=detail,

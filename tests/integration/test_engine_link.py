@@ -13,7 +13,7 @@ import torch
 from kvtier.client import DropReason, SyncClient
 from kvtier.errors import CallTimeout, KvtierError, RedisUnavailable
 from kvtier.integrations.counters import Counters
-from kvtier.integrations.link import HEALTH_S, LINK_COUNTERS, EngineLink, PoolMismatch, PoolSpec
+from kvtier.integrations.link import LINK_COUNTERS, EngineLink, PoolMismatch, PoolSpec
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import wait_until
 
@@ -25,25 +25,49 @@ BLOCK_BYTES = 8192  # the test pool's
 def link_for(runtime_dir, spec: PoolSpec | None = None, **kw) -> EngineLink:
     return EngineLink(runtime_dir=str(runtime_dir), spec=spec or PoolSpec("t", block_bytes=BLOCK_BYTES),
                       counters=Counters(LINK_COUNTERS), log=structlog.get_logger("test"),
-                      **{"retry_s": 0.2, "call_timeout_s": 2.0, **kw})
+                      **{"retry_s": 0.2, "watch_s": 0.1, "call_timeout_s": 2.0, **kw})
 
 
 def test_a_missing_daemon_is_a_miss_then_the_link_connects_when_it_comes(daemon_factory):
     d = daemon_factory(start=False)
-    link = link_for(d.runtime_dir)
+    link = link_for(d.runtime_dir).start(first=True)  # no daemon: not an error at start
     try:
-        assert link.connect(first=True) is None  # no daemon: not an error at start
+        assert link.client() is None
         assert link.guard("lookup", "miss", lambda c: "hit") == "miss"
-        assert link.counters.snapshot()["daemon_unavailable"] == 1
-        assert link.client() is None, "no second attempt before retry_s"
+        assert link.counters.snapshot()["connect_failures"] >= 1
         d.start()
-        c = wait_until(link.client, timeout=10, message="the link connects once the daemon is up")
+        c = wait_until(link.client, timeout=10, message="the link's thread connects once the daemon is up")
         assert link.guard("lookup", "miss", lambda c: c.lookup("t", [bytes(32)]).length) == 0
-        assert link.client() is c
         d.kill()
-        wait_until(lambda: link.client() is None, timeout=5 + HEALTH_S, message="the link notices the daemon died")
+        wait_until(lambda: link.client() is None, timeout=5, message="the link notices the daemon died")
+        assert link.counters.snapshot()["daemon_lost"] == 1
         d.start()
-        wait_until(link.client, timeout=10, message="and follows it back")
+        assert wait_until(link.client, timeout=10, message="and follows it back") is not c
+    finally:
+        link.close()
+
+
+def test_a_call_in_flight_when_the_daemon_is_lost_ends_as_a_miss(daemon_factory):
+    """The watcher drops the client of a dead daemon and closes it: calls still running on it are
+    cancelled (once their copies have finished), so they end as misses instead of hanging."""
+    import threading
+
+    d = daemon_factory()
+    link = link_for(d.runtime_dir).start(first=True)
+    try:
+        c = link.client()
+        assert c is not None
+        keys = [bytes(range(32))]
+        outcome = []
+        worker = threading.Thread(target=lambda: outcome.append(link.guard(
+            "wait", "miss", lambda c: c.wait_resident("t", keys, timeout=60))))  # never resident
+        worker.start()
+        job = c.submit(lambda client: client.wait_resident("t", keys, timeout=60))
+        d.kill()
+        worker.join(20)
+        assert not worker.is_alive() and outcome == ["miss"]
+        with pytest.raises(concurrent.futures.CancelledError):
+            job.result(20)
     finally:
         link.close()
 
@@ -53,24 +77,37 @@ def test_one_pool_check_in_the_engines_words(daemon_factory):
     spec = PoolSpec("t", block_bytes=2 * BLOCK_BYTES, howto=lambda: "HOWTO",
                     bytes_msg="my pages are {want} bytes, pool {name!r} has {have}")
     with pytest.raises(PoolMismatch, match=r"my pages are 16384 bytes, pool 't' has 8192.*HOWTO"):
-        link_for(d.runtime_dir, spec).connect(first=True)
+        link_for(d.runtime_dir, spec).start(first=True)
     with pytest.raises(PoolMismatch, match="'nope' is not served"):
-        link_for(d.runtime_dir, PoolSpec("nope")).connect(first=True)
-    # Later (not the first connection): the link stays down and says why, once.
+        link_for(d.runtime_dir, PoolSpec("nope")).start(first=True)
+    # Found by the link's thread (not at the first connection): the link stays down and says why,
+    # once, and tries again only every mismatch_retry_s.
     with structlog.testing.capture_logs() as logs:
-        link = link_for(d.runtime_dir, spec)
+        link = link_for(d.runtime_dir, spec, mismatch_retry_s=0.2).start()
         try:
-            assert link.connect() is None and link.client() is None
-            wait_until(lambda: link.connect() is None and link.mismatch, timeout=5, message="another try")
+            wait_until(lambda: link.mismatch, timeout=5, message="the mismatch found")
+            assert link.client() is None and link.counters.snapshot()["pool_mismatches"] == 1
+            # The engine's blocks change (a worker registers its pages): the next try connects.
+            link.spec = PoolSpec("t", block_bytes=BLOCK_BYTES)
+            wait_until(link.client, timeout=5, message="a pool that fits")
         finally:
             link.close()
-    assert [x["event"] for x in logs if x["event"].endswith("pool_mismatch")] == ["kvtier.pool_mismatch"]
-    assert "16384" in link.mismatch
+        # Connected by name, then told the engine's blocks (vLLM's worker registers its pages after
+        # the link is up): a pool that does not fit is dropped before the setter returns, so no
+        # call in between can use it.
+        link = link_for(d.runtime_dir, PoolSpec("t")).start(first=True)
+        try:
+            assert link.client() is not None
+            link.spec = spec
+            assert link.client() is None and "my pages are 16384 bytes" in link.mismatch
+        finally:
+            link.close()
+    assert [x["event"] for x in logs if x["event"].endswith("pool_mismatch")] == ["kvtier.pool_mismatch"] * 2
 
 
 def test_the_guard_turns_every_failure_into_a_miss_a_counter_and_a_throttled_line(daemon_factory):
     d = daemon_factory()
-    link = link_for(d.runtime_dir)
+    link = link_for(d.runtime_dir).start(first=True)
     try:
         assert link.client() is not None
 
@@ -86,16 +123,15 @@ def test_the_guard_turns_every_failure_into_a_miss_a_counter_and_a_throttled_lin
             assert link.guard("get", None, fail(RuntimeError("a bug"))) is None
         c = link.counters.snapshot()
         assert (c["timeouts"], c["redis_errors"], c["errors"]) == (5, 1, 1)
-        assert [x["kind"] for x in logs] == ["timeouts", "redis_errors", "errors"], "one line per kind, not per call"
-        with pytest.raises(KeyError):  # what the integration asks to see itself is passed on
-            link.guard("get", None, fail(KeyError("mine")), expected=(KeyError,))
+        failed = [x["kind"] for x in logs if x["event"] == "kvtier.call_failed"]
+        assert failed == ["timeouts", "redis_errors", "errors"], "one line per kind, not per call"
     finally:
         link.close()
 
 
 def test_put_with_waits_for_staging_room_within_its_deadline(daemon_factory):
     d = daemon_factory(gpu=0, cpu=64)
-    link = link_for(d.runtime_dir, staging_blocks=4)  # 12 blocks through 4 staging slots
+    link = link_for(d.runtime_dir, staging_blocks=4).start(first=True)  # 12 blocks through 4 staging slots
     kv = make_kv(12, seed=7)
     rows = kv.view(torch.uint8).reshape(12, -1).numpy()
     try:
@@ -126,7 +162,10 @@ def test_the_client_contract_errors_timeouts_and_submit(daemon_factory, redis_se
             with pytest.raises(RedisUnavailable):
                 call()
         gone = c.put("t", c.block_keys("t", list(range(500, 548))), make_kv(3, seed=2))
-        assert (gone.staged, gone.dropped, gone.reason) == (0, 3, DropReason.DAEMON_GONE)
+        assert (gone.staged, gone.dropped, gone.reason) == (0, 3, DropReason.BUS_UNREACHABLE)
+        d.kill()
+        dead = c.put("t", c.block_keys("t", list(range(600, 648))), make_kv(3, seed=3))
+        assert (dead.staged, dead.dropped, dead.reason) == (0, 3, DropReason.DAEMON_GONE)
 
 
 def test_a_descriptor_of_another_release_is_one_clear_error(daemon_factory):

@@ -94,6 +94,42 @@ async def test_a_prefix_alternating_between_shared_memory_and_redis_is_read_whol
     r.close()
 
 
+async def test_a_long_read_through_goes_in_bounded_parts_and_stops_at_the_first_hole(daemon_factory, redis_server):
+    """Values that cannot land in place need a buffer each: a read-through fetches a bounded part
+    at a time (256 MiB; two blocks here), and fetches no part after the one where the run ends."""
+    a = daemon_factory(node="a", extra=THROUGH)
+    b = daemon_factory(node="b")
+    r = redis_server.client()
+    async with await Client.connect(a.runtime_dir) as ca, await Client.connect(b.runtime_dir) as cb:
+        keys, kv = await chain_in_redis(ca, r, b"parts")
+        cb._remote.part_bytes = 2 * kv[0].numel() * kv.element_size()
+        # Which rows each part asks Redis for (a spy on the real fetch; Redis's own GET count also
+        # moves with the daemon's promotions of the first read, so it cannot say this exactly).
+        parts: list[list[int]] = []
+        fetch = cb._remote._fetch
+
+        async def spy(rb, pool, ks, rows, dest, executor, ok):
+            parts.append(list(rows))
+            return await fetch(rb, pool, ks, rows, dest, executor, ok)
+
+        cb._remote._fetch = spy  # type: ignore[method-assign]
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", keys, out, remote=True) == N and same_bytes(out, kv)
+        assert cb.stats.remote_reads == N and parts == [[0, 1], [2, 3], [4, 5]]
+        parts.clear()
+        more, kv2 = await chain_in_redis(ca, r, b"parts-corrupt", seed=2)
+        name = redis_block_key("t", more[1])
+        value = bytearray(r.get(name))
+        value[BLK_HDR.size + 7] ^= 0xFF  # present (EXISTS says so) but corrupt: found only once read
+        r.set(name, bytes(value))
+        before = cb.stats.remote_reads
+        out = torch.empty((N, *SHAPE), dtype=torch.float16)
+        assert await cb.get("t", more, out, remote=True) == 1 and same_bytes(out[:1], kv2[:1])
+        assert cb.stats.remote_reads - before == 1 and cb.stats.remote_corrupt == 1
+        assert parts == [[0, 1]]  # the first part only: the run ended in it
+    r.close()
+
+
 async def test_a_corrupt_value_ends_the_prefix_is_counted_and_deleted(daemon_factory, redis_server):
     a = daemon_factory(node="a", extra=THROUGH)
     b = daemon_factory(node="b")

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
-from kvtier.client import SyncClient
+from kvtier.client import ReadCounts, SyncClient
 from kvtier.client.discovery import library_logger
 from kvtier.integrations.counters import Counters, LogThrottle
 from kvtier.integrations.link import LINK_COUNTERS, EngineLink
@@ -43,7 +43,7 @@ from kvtier.integrations.sglang.hicache_pool import page_spec
 
 T = TypeVar("T")
 
-COUNTERS = (  # besides the link's own (LINK_COUNTERS: daemon_unavailable, timeouts, redis_errors, errors)
+COUNTERS = (  # besides the link's own (LINK_COUNTERS); kvtier_stats adds daemon_unavailable, its connect_failures
     "pages_read_local",  # pages copied from this node's shared memory, verified
     "pages_read_remote",  # pages read straight from Redis, verified
     "pages_missed",  # pages asked for and not delivered (absent, corrupt, unreachable)
@@ -80,9 +80,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.link = EngineLink(runtime_dir=st.runtime_dir, spec=page_spec(st.pool, None, None),
                                counters=self.counters, log=self.log, retry_s=st.retry_s,
                                staging_blocks=st.staging_blocks, connect_timeout_s=st.connect_timeout_s,
-                               call_timeout_s=st.call_timeout_s, remote_timeout_s=st.remote_timeout_s,
-                               component="sglang_hicache")
-        self.link.connect(first=True)  # a daemon that is down is not an error; a wrong pool is
+                               socket_timeout_s=st.call_timeout_s, call_timeout_s=st.call_timeout_s,
+                               remote_timeout_s=st.remote_timeout_s, component="sglang_hicache")
+        self.link.start(first=True)  # a daemon that is down is not an error; a wrong pool is
 
     # --- geometry and keys -----------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.ns.set_host(str(getattr(mem_pool_host, "layout", self.ns.layout)), page_size, page_bytes,
                          pages.host_geometry(mem_pool_host))
         self.link.spec = page_spec(self.settings.pool, page_size, page_bytes)
-        client = self.link.client()
+        client = self.link.current
         if client is not None:
             self.link.spec.check(client)  # PoolMismatch: SGLang's attach fails with the reason
         self.log.info("sglang_hicache.host_pool", layout=self.ns.layout, page_size=page_size, page_bytes=page_bytes)
@@ -162,14 +162,13 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """Blocks kk -> the byte views dst (flat or page-shaped); how many leading ones landed,
         verified: from shared memory, and with `remote` the rest of the run from Redis (straight
         into a contiguous page)."""
-        before = client.stats.remote_reads
+        got = ReadCounts()  # this call's own figures: other threads share the client
         n = client.get_with(self.settings.pool, kk, lambda i, src: pages.copy_in(dst[i], src),
                             lambda i: pages.digest(dst[i]), remote=self.settings.remote,
                             land=lambda i: dst[i].reshape(-1) if dst[i].flags.c_contiguous else None,
-                            timeout=self.settings.call_timeout_s)
-        remote = min(n, client.stats.remote_reads - before)
-        self.counters.add("pages_read_local", n - remote)
-        self.counters.add("pages_read_remote", remote)
+                            counts=got, timeout=self.settings.call_timeout_s)
+        self.counters.add("pages_read_local", got.local)
+        self.counters.add("pages_read_remote", got.remote)
         self.counters.add("pages_missed", len(kk) - n)
         return n
 
@@ -318,7 +317,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def kvtier_stats(self) -> dict[str, Any]:
         """This backend's counters, and whether its daemon is reachable."""
-        return {**self.counters.snapshot(), "connected": self.link.client() is not None,
+        c = self.counters.snapshot()
+        return {**c, "daemon_unavailable": c["connect_failures"], "connected": self.link.current is not None,
                 "pool_mismatch": self.link.mismatch or None}
 
     def get_stats(self) -> Any:

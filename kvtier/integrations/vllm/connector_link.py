@@ -3,8 +3,8 @@ its counters under the connector's names, and its log lines in vLLM's log.
 
 vLLM must keep serving while kvtier is down: every call goes through `link.guard`, a failure is
 a miss, a counter and a throttled line in vLLM's log (its `vllm.kvtier` logger: its handlers and
-format). After a failure the link waits `retry_s` before connecting again, so a dead daemon costs
-the scheduler nothing but a clock read per request.
+format). The link's own thread keeps the connection (a try every `retry_s` while the daemon is
+down), so a dead daemon costs vLLM's threads nothing but reading that there is no client.
 """
 
 from __future__ import annotations
@@ -65,4 +65,4 @@ def connector_link(pool: str, runtime_dir: str | None, staging_blocks: int, retr
     return EngineLink(runtime_dir=runtime_dir, spec=PoolSpec(pool),
                       counters=Counters(LINK_COUNTERS + CONNECTOR_COUNTERS), log=VllmLog(), retry_s=retry_s,
                       staging_blocks=staging_blocks, connect_timeout_s=10.0, call_timeout_s=call_timeout_s,
-                      component="vllm_connector")
+                      component="vllm_connector").start()

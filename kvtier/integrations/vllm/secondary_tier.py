@@ -15,34 +15,30 @@ node and, through it, Redis for the whole cluster. vLLM loads it with no patch:
 
 Tier options (the other keys of that dict):
     pool               (required) the kvtier pool to use. Its block must be exactly one vLLM
-                       chunk (`primary_kv_view.strides[0]` bytes); the tier checks this when it
-                       starts and raises ValueError with the [pools.*] table to add otherwise.
-                       The usual way: dtype = "uint8", layers = kv_heads = block_tokens = 1,
-                       head_dim = chunk_bytes // 2.
+                       chunk (`primary_kv_view.strides[0]` bytes), checked at start (a
+                       ValueError names the [pools.*] table to add). The usual way: dtype =
+                       "uint8", layers = kv_heads = block_tokens = 1, head_dim = chunk_bytes // 2.
     runtime_dir        where the daemon's descriptor (kvtier.json) is. Default: kvtier's
                        ($KVTIER__NODE__RUNTIME_DIR, /run/kvtier for root, ...).
     load_timeout_s     a load (promotion) job's deadline, prefetch from Redis included (5.0).
     store_timeout_s    a store (cascade) job's deadline: staged and visible in kvtier (10.0).
-    lookup_timeout_s   how long a background existence check may take before it counts as a
-                       miss (1.0).
+    lookup_timeout_s   a background existence check's deadline; past it, a miss (1.0).
     connect_timeout_s  connecting to the daemon at start and on each reconnect (5.0).
-    health_interval_s  how often reconnects are tried while the daemon is down (0.25); a live
-                       daemon's pid is checked every 0.5 s.
+    health_interval_s  how often the link's thread checks the daemon (its pid, and at most every
+                       0.5 s) and tries to reconnect while it is down (0.25).
     staging_chunks     the client's staging slots, each one chunk of /dev/shm (32).
     salt               extra namespace string: tiers with different salts never share chunks.
-    failed_key_ttl_s   a chunk whose load failed is a miss for this long, so the scheduler
-                       does not promote it again and again (10.0).
-    enable_kv_events   emit BlockStored events (medium STORAGE) for chunks stored here, when
-                       vLLM's KV events are on (False).
+    failed_key_ttl_s   a chunk whose load failed is a miss for this long (10.0).
+    enable_kv_events   emit BlockStored events (medium STORAGE) when vLLM's are on (False).
     locality           "LOCAL" or "REMOTE" on those events (None).
     backpressure       vLLM's own per-tier back-pressure config (handled by its factory).
 
 Keys: tier_keys.py (vLLM's FileMapper namespace + SHA-256). Cross-node: a chunk stored on node A
 is found by node B's tier once it is in Redis; with the daemon's default write-back policy
 that is when A's cpu tier sheds it, with `[policy] redis_write = "write-through"` at once.
-The daemon is reached through the shared engine link (kvtier/integrations/link.py); deadlines
-and failure handling: tier_io.py. Every method here returns at once; none raises into vLLM after
-construction: failures are failed jobs or misses, counted (get_stats) and logged.
+The daemon is reached through the engine link (integrations/link.py); deadlines: tier_io.py.
+Every method returns at once and none raises into vLLM after construction: failures are failed
+jobs or misses, counted (get_stats) and logged.
 """
 
 from __future__ import annotations
@@ -207,6 +203,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def _exists(self, keys: list[OffloadKey]) -> list[bool]:
         """On the lookup thread: one bounded round trip (the link counts and logs a failure)."""
+        if not self._io.up:
+            self.counters.add("lookup_unavailable")
+            return [False] * len(keys)
         try:
             return self._io.exists(self.keys.many(keys), self._lookup_timeout)
         except Exception as e:  # the link's guard answers misses; this is for a bug in the keys
@@ -228,7 +227,6 @@ class KvtierSecondaryTier(SecondaryTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Nothing to do: kvtier's LRU learns recency from the reads (`Client.get` reports them)."""
-        return
 
     # --- jobs -----------------------------------------------------------------------------------
 
@@ -267,6 +265,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
             try:
                 assert rec.future is not None
                 outcome = rec.future.result()
+            except concurrent.futures.CancelledError:  # its client was closed: the daemon was lost
+                self.counters.add("daemon_unavailable")
+                outcome = self._failed(rec, "daemon_unavailable")
             except BaseException as e:  # a bug in the job itself: the chunks failed, vLLM goes on
                 outcome = self._failed(rec, repr(e))
             out.append(self._result(rec, outcome))

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.client import Client, SyncClient
+from kvtier.client import Client, DropReason, SyncClient
 from kvtier.client.discovery import library_logger
 from kvtier.errors import KvtierError, RedisUnavailable
-from kvtier.integrations.link import EngineLink
+from kvtier.integrations.link import WATCH_S, EngineLink
 from kvtier.integrations.vllm.tier_chunks import chunk_spec, runs
 from kvtier.integrations.vllm.tier_stats import Counters, LogThrottle
 
@@ -67,24 +67,26 @@ class TierIO:
         self.link = EngineLink(runtime_dir=runtime_dir, spec=chunk_spec(pool, self.chunk_bytes),
                                counters=self.counters, log=self.log, retry_s=health_interval_s,
                                staging_blocks=staging_chunks, connect_timeout_s=connect_timeout_s,
-                               call_timeout_s=connect_timeout_s, component="vllm_tier")
-        self.link.connect(first=True)  # PoolMismatch (a ValueError) for a pool that cannot hold the chunks
+                               watch_s=min(health_interval_s, WATCH_S), component="vllm_tier")
+        self.link.start(first=True)  # PoolMismatch (a ValueError) for a pool that cannot hold the chunks
 
     # --- for the scheduler thread ------------------------------------------------------------
 
     @property
     def up(self) -> bool:
-        """Whether the daemon is reachable now (a reconnect is tried at most every health interval)."""
-        return self.link.client() is not None
+        """Whether the daemon is reachable now (the link's thread watches it: this only reads)."""
+        return self.link.current is not None
 
     def local_has(self, key: bytes) -> bool:
-        """Whether `key` is resident on this node, from the shared-memory directory, on the
-        caller's thread (no I/O). Any trouble answers False, and leaves the question to `exists`."""
+        """Whether `key` is resident on this node, from the shared-memory directory as mapped now,
+        on the caller's thread (no I/O). Any trouble answers False, and leaves the question to
+        `exists`."""
         client = self.link.current
         if client is None:
             return False
         try:
-            return client.lookup(self.pool, [key]).length == 1
+            p = client.mapped(self.pool)
+            return p is not None and p.locate(key) is not None
         except Exception:  # noqa: BLE001 - e.g. a restart remapping the pool right now
             return False
 
@@ -177,8 +179,10 @@ class TierIO:
             res = await client.put(self.pool, run_keys, self._tensor(client, chunk_ids[run[0]], len(run)),
                                    parent=parent, wait_s=max(0.0, deadline - time.monotonic()))
             if res.dropped:
-                self.counters.add("redis_errors" if res.reason == "daemon_gone" else "timeouts")
-                return "put_failed" if res.reason == "daemon_gone" else "staging_full"
+                if res.reason is DropReason.DAEMON_GONE:
+                    raise DaemonDown("the kvtier daemon is not running")
+                self.counters.add("redis_errors" if res.reason is DropReason.BUS_UNREACHABLE else "timeouts")
+                return "put_failed" if res.reason is DropReason.BUS_UNREACHABLE else "staging_full"
             parent = run_keys[-1]
         stored = await self._wait_stored(sync, client, [keys[i] for i in todo], deadline)
         for i in todo:

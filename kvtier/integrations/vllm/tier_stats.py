@@ -12,6 +12,7 @@ Prometheus counter each, named vllm:kv_offload_kvtier_<name>):
     load_chunks_ok / load_chunks_failed / load_chunks_prefetched / load_jobs_failed
     read_failures         resident chunks whose read failed verification or was evicted meanwhile
     daemon_unavailable    jobs (or job phases) refused or cut short because the daemon was down
+    connect_failures, daemon_lost, pool_mismatches   the link's own (kvtier/integrations/link.py)
     redis_errors          Redis calls that failed (existence checks, put and prefetch events)
     timeouts              deadlines passed (lookups, staging room, residency)
     errors                calls that failed otherwise (answered as misses; the link's count)
@@ -30,5 +31,6 @@ class Counters(_Counters):
         "lookup_local_hits", "lookup_async_hits", "lookup_misses", "lookup_unavailable", "lookup_errors",
         "store_chunks_ok", "store_chunks_failed", "store_chunks_deduped", "store_jobs_failed",
         "load_chunks_ok", "load_chunks_failed", "load_chunks_prefetched", "load_jobs_failed",
-        "read_failures", "daemon_unavailable", "redis_errors", "timeouts", "errors",
+        "read_failures", "daemon_unavailable", "redis_errors", "timeouts", "errors", "connect_failures",
+        "daemon_lost", "pool_mismatches",
     )
