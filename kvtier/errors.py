@@ -44,3 +44,8 @@ class RedisUnavailable(KvtierError, ConnectionError):
 class CallTimeout(KvtierError, TimeoutError):
     """A SyncClient call ran past its `timeout` and was cancelled: it has unwound, so nothing it
     started writes into the caller's memory afterwards."""
+
+
+class NamespaceConflict(KvtierError, ValueError):
+    """A key namespace is registered in the manifest for other page bytes (core/manifest.py):
+    this engine's blocks cannot be the ones stored under it, so it must not use it."""

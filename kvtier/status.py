@@ -65,6 +65,22 @@ def _arena(a: dict) -> str:
             f"{a['backing']}{numa}{huge}")
 
 
+def _models(m: dict | None) -> list[str]:
+    """Which models' KV the pool holds: its manifest's namespaces (core/manifest.py)."""
+    if not m or not m.get("namespaces"):
+        return []
+    bad = f", {m['malformed']} malformed entries dropped" if m.get("malformed") else ""
+    out = [f"  models: {m['namespaces']} key namespaces{bad} (stored: handed over since first seen)"]
+    for e in m.get("models", []):
+        w = e.get("weights", {})
+        rev = f"  rev {str(w['revision'])[:12]}" if w.get("revision") else ""
+        quant = "".join(f"  {k} {w[k]}" for k in ("quantization", "kv_cache_dtype") if w.get(k) not in (None, "auto"))
+        out.append(f"    {e.get('model') or '?'}  {e.get('engine')} {e.get('engine_version')}  "
+                   f"weights {str(w.get('weights', '?'))[:24]}{rev}{quant}  "
+                   f"stored {e.get('stored_blocks', 0)} blocks, {human_bytes(e.get('stored_bytes', 0))}")
+    return out
+
+
 def render_status(stats: dict, prev: dict | None = None) -> str:
     """The table; with `prev` (an earlier snapshot, as `status --watch` keeps) also rates per second."""
     lines = [f"node {stats.get('node')}  pid {stats.get('pid')}  up {stats.get('uptime_s', 0):.0f}s"]
@@ -85,6 +101,7 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
         arena = pool.get("arena")
         if arena:
             lines.append(_arena(arena))
+        lines.extend(_models(pool.get("models")))
         if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
             lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))
     bus = stats.get("bus", {})

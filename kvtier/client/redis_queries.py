@@ -1,7 +1,8 @@
 """The client's questions that go to Redis itself rather than to this node's shared memory: what
-Redis holds after the local head (locate, present), the cluster prefix index (where), and the
-epoch counters integrations mix into their keys. A mixin of Client, which provides the pools, the
-blocks Redis (per master on a cluster), the bus Redis, the stats and the log.
+Redis holds after the local head (locate, present), the cluster prefix index (where), the
+epoch counters integrations mix into their keys, and the compatibility manifest
+(core/manifest.py). A mixin of Client, which provides the pools, the blocks Redis (per master
+on a cluster), the bus Redis, the stats and the log.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats, Lookup
 from kvtier.client.where_query import query_where
+from kvtier.core.manifest import ManifestEntry, ModelHoldings, conflict, holdings, manifest_key, stored_key
 from kvtier.core.where import Where
-from kvtier.errors import RedisUnavailable
+from kvtier.errors import NamespaceConflict, RedisUnavailable
 from kvtier.keys import check_key
 from kvtier.logs import Log, LogThrottle
 from kvtier.store.commands import KeyBatches
@@ -98,3 +100,51 @@ class RedisQueries:
         except REDIS_ERRORS as e:
             raise RedisUnavailable(f"epoch {name!r}: {type(e).__name__}: {e}") from e
         return int(value or 0)
+
+    async def register_namespace(self, pool: str, entry: ManifestEntry) -> None:
+        """Enter `entry` in the pool's manifest, unless its namespace is there already. Then the
+        entry there must describe the same page bytes: NamespaceConflict says why not (and the
+        caller must not use the namespace). A malformed entry there is replaced. RedisUnavailable
+        when Redis cannot answer."""
+        self.pool(pool)
+        key, raw = manifest_key(pool), entry.to_json()
+        try:
+            if await self._redis.hsetnx(key, entry.namespace, raw):
+                return
+            theirs = await self._redis.hget(key, entry.namespace)
+            if theirs is not None:
+                try:
+                    why = conflict(entry, ManifestEntry.from_json(theirs))
+                except (ValueError, TypeError):
+                    self.quiet.warning("client.manifest_entry_replaced", pool=pool, namespace=entry.namespace)
+                    why = None
+                    await self._redis.hset(key, entry.namespace, raw)
+                if why is not None:
+                    raise NamespaceConflict(why)
+            else:  # removed since the HSETNX: ours now
+                await self._redis.hsetnx(key, entry.namespace, raw)
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"manifest: {type(e).__name__}: {e}") from e
+
+    async def count_stored(self, pool: str, namespace: str, blocks: int, nbytes: int) -> None:
+        """Add to what the namespace stored (the manifest's counts). RedisUnavailable on failure:
+        the caller keeps the counts and adds them again later."""
+        self.pool(pool)
+        try:
+            async with self._redis.pipeline(transaction=False) as p:
+                p.hincrby(stored_key(pool), f"{namespace}:blocks", blocks)
+                p.hincrby(stored_key(pool), f"{namespace}:bytes", nbytes)
+                await p.execute()
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"manifest counts: {type(e).__name__}: {e}") from e
+
+    async def models(self, pool: str) -> tuple[list[ModelHoldings], int]:
+        """The pool's manifest: every namespace with what it stored, and how many entries were
+        malformed (dropped). RedisUnavailable when Redis cannot answer."""
+        self.pool(pool)
+        try:
+            entries = await self._redis.hgetall(manifest_key(pool))
+            stored = await self._redis.hgetall(stored_key(pool))
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"manifest: {type(e).__name__}: {e}") from e
+        return holdings(entries, stored)

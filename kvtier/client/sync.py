@@ -16,6 +16,7 @@ import torch
 from kvtier.client.client import Client
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats, Lookup, PutResult, ReadCounts
+from kvtier.core.manifest import ManifestEntry, ModelHoldings
 from kvtier.core.where import Where
 from kvtier.errors import CallTimeout
 from kvtier.keys import BlockKey
@@ -135,6 +136,19 @@ class SyncClient:
     def epoch(self, pool: str, name: str, *, bump: bool = False, timeout: float | None = None) -> int:
         """Client.epoch."""
         return self._call(self._client.epoch(pool, name, bump=bump), timeout)
+
+    def register_namespace(self, pool: str, entry: ManifestEntry, *, timeout: float | None = None) -> None:
+        """Client.register_namespace: NamespaceConflict when the namespace is another page's."""
+        self._call(self._client.register_namespace(pool, entry), timeout)
+
+    def count_stored(self, pool: str, namespace: str, blocks: int, nbytes: int, *,
+                     timeout: float | None = None) -> None:
+        """Client.count_stored."""
+        self._call(self._client.count_stored(pool, namespace, blocks, nbytes), timeout)
+
+    def models(self, pool: str, *, timeout: float | None = None) -> tuple[list[ModelHoldings], int]:
+        """Client.models."""
+        return self._call(self._client.models(pool), timeout)
 
     @property
     def stats(self) -> ClientStats:

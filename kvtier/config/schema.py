@@ -151,6 +151,8 @@ class IngestConfig:
 class DaemonConfig:
     shutdown_grace_s: float = setting(number(gt=0), 10.0)
     stats_interval_s: float = setting(number(gt=0), 1.0)
+    # How often the pools' manifests (which models' KV they hold) are read from Redis for status.
+    manifest_interval_s: float = setting(number(gt=0), 10.0)
     persist_arena: bool = setting(boolean(), True)
     watchdog_fraction: float = setting(number(gt=0, lt=1), 0.5)
     # Block copies at least this big run in a thread, off the event loop (0: every copy).

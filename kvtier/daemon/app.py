@@ -34,6 +34,7 @@ from kvtier.daemon.embedded_redis import EmbeddedRedis
 from kvtier.daemon.engine_ingest import EngineIngest, parse_engines
 from kvtier.daemon.kv_event_publisher import KvEventPublisher, RouterEvents
 from kvtier.daemon.looplag import LoopLag
+from kvtier.daemon.manifest_reader import ManifestReader
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, runtime_dir_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
@@ -83,6 +84,7 @@ class Daemon:
         self.router_events: RouterEvents | None = None  # [events] enabled: KV events for routers
         self.prefix_index: PrefixIndexWriter | None = None  # [prefix_index] enabled
         self.ingest: EngineIngest | None = None  # [ingest] engines
+        self.manifests: ManifestReader | None = None  # which models' KV the pools hold (status)
         self.populations: dict[str, ArenaPopulation] = {}  # arenas still populating after READY
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -266,6 +268,8 @@ class Daemon:
                 pop = self.populations[name] = ArenaPopulation(rt, threads, self.log, self._restored)
                 chores.start(f"arena-{name}", pop.run())
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
+        self.manifests = ManifestReader(bus, self.pools, self.cfg.daemon.manifest_interval_s, self.log)
+        chores.start("manifest", self.manifests.run())
         chores.every("reaper", REAP_INTERVAL_S, lambda: staging.reap(self._client_drops))
         chores.start("loop-lag", self.loop_lag.run())
         if self.prefix_index is not None:
@@ -324,7 +328,8 @@ class Daemon:
             "stats_interval_s": self.cfg.daemon.stats_interval_s,
             "bus": self.bus_stats.as_dict(),
             "loop": self.loop_lag.as_dict(),
-            "pools": {name: pool_snapshot(rt) for name, rt in self.pools.items()},
+            "pools": {name: {**pool_snapshot(rt), "models": self.manifests and self.manifests.snapshot(name)}
+                      for name, rt in self.pools.items()},
             "streams": dict(self.stream_info),
             "metrics_url": self.metrics.url if self.metrics is not None else None,
             "kv_events": self.router_events.stats() if self.router_events is not None else None,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvtier.client import SyncClient
+from kvtier.client import ManifestEntry, NamespaceConflict, SyncClient
 from kvtier.client.pools import ClientPool
 from kvtier.errors import RedisUnavailable, UnknownPool
 from kvtier.integrations.counters import Counters
@@ -37,12 +37,15 @@ from kvtier.logs import LogThrottle
 T = TypeVar("T")
 WATCH_S = 0.5  # how often the watcher checks a live daemon (its pid, its pool)
 MISMATCH_RETRY_S = 5.0  # after a pool that did not fit: the next try
+STORED_FLUSH_S = 5.0  # how often the manifest's stored counts are added to Redis
 
 # What the link itself counts; integrations add their own names to the same Counters.
 LINK_COUNTERS = (
     "connect_failures",  # connection attempts that failed (no daemon, Redis unreachable, ...)
     "daemon_lost",  # times a connected daemon was found gone (its pid)
     "pool_mismatches",  # pools found not to fit the engine's blocks (each distinct finding once)
+    "namespace_conflicts",  # the manifest says the namespace is another page's (each finding once)
+    "manifest_errors",  # manifest writes that failed (Redis unreachable): tried again
     "timeouts",  # calls cut short by their timeout
     "redis_errors",  # calls that failed on Redis (unreachable, refused)
     "errors",  # calls that failed otherwise (answered as misses)
@@ -91,7 +94,7 @@ class EngineLink:
                  retry_s: float = 1.0, staging_blocks: int = 32, connect_timeout_s: float = 5.0,
                  socket_timeout_s: float = 2.0, call_timeout_s: float = 5.0, remote_timeout_s: float | None = None,
                  watch_s: float = WATCH_S, mismatch_retry_s: float = MISMATCH_RETRY_S,
-                 component: str = "kvtier") -> None:
+                 stored_flush_s: float = STORED_FLUSH_S, component: str = "kvtier") -> None:
         self._spec = spec
         self.counters = counters
         self.log = log
@@ -108,7 +111,13 @@ class EngineLink:
         self._next_try = 0.0
         self._wake = threading.Event()
         self._watcher: threading.Thread | None = None
-        self.mismatch = ""  # the last PoolMismatch, while it keeps the link down
+        self.mismatch = ""  # the last PoolMismatch or NamespaceConflict, while it keeps the link down
+        # The manifest (core/manifest.py): the entry this engine registers, whether it has been
+        # (once per link: a conflict cannot come later), and what it stored since the last flush.
+        self._entry: ManifestEntry | None = None
+        self._registered = False
+        self._stored = [0, 0]
+        self._flush_next, self._flush_s = 0.0, stored_flush_s
 
     @property
     def spec(self) -> PoolSpec:
@@ -153,6 +162,8 @@ class EngineLink:
                 if c is not None:
                     if not self._fits(c):
                         self._drop(c)
+                    else:
+                        self._flush_stored(c)
                 elif time.monotonic() >= self._next_try:
                     self._connect()
             except Exception as e:  # noqa: BLE001 - the watcher must outlive any surprise
@@ -176,7 +187,7 @@ class EngineLink:
         except PoolMismatch as e:
             self._mismatched(e)
             return False
-        return True
+        return self._register(c)
 
     def _connect(self, *, first: bool = False) -> SyncClient | None:
         self._next_try = time.monotonic() + self._retry_s
@@ -190,6 +201,9 @@ class EngineLink:
             return None
         try:
             self.spec.check(c)
+            if not self._register(c):
+                self._close_quietly(c)
+                return None
         except PoolMismatch as e:
             self._close_quietly(c)
             if first:
@@ -210,11 +224,63 @@ class EngineLink:
         self.log.info(f"{self._component}.connected", node=c.node, pool=self.spec.name)
         return c
 
-    def _mismatched(self, e: PoolMismatch) -> None:
+    # --- the manifest ---------------------------------------------------------------------------
+
+    def register(self, entry: ManifestEntry) -> None:
+        """The engine's manifest entry (its namespace, weights and page), entered in Redis now if
+        the daemon is up, else on the next connection. A namespace registered for other page
+        bytes takes the link down (NamespaceConflict, logged once): no block under it is read."""
+        self._entry, self._registered = entry, False
+        c = self._client
+        if c is not None and not self._register(c):
+            self._drop(c)
+
+    def _register(self, c: SyncClient) -> bool:
+        """False on a conflict. Redis unreachable: counted, and tried again on the next round."""
+        if self._entry is None or self._registered:
+            return True
+        try:
+            c.register_namespace(self.spec.name, self._entry, timeout=self.call_timeout_s)
+        except NamespaceConflict as e:
+            self._mismatched(e, "namespace_conflicts", "namespace_conflict")
+            return False
+        except Exception as e:  # noqa: BLE001 - Redis down: the blocks are still this engine's to use
+            self.counters.add("manifest_errors")
+            self.quiet.warning(f"{self._component}.manifest_failed", error=f"{type(e).__name__}: {e}")
+            return True
+        self._registered = True
+        return True
+
+    def stored(self, blocks: int, nbytes: int) -> None:
+        """Blocks the engine handed over under its namespace: added to the manifest's counts by
+        the link's thread (kept, and added later, while Redis is unreachable)."""
+        with self._lock:
+            self._stored[0] += blocks
+            self._stored[1] += nbytes
+
+    def _flush_stored(self, c: SyncClient, *, now: bool = False) -> None:
+        t = time.monotonic()
+        if self._entry is None or (t < self._flush_next and not now):
+            return
+        self._flush_next = t + self._flush_s
+        with self._lock:
+            (blocks, nbytes), self._stored = self._stored, [0, 0]
+        if not blocks:
+            return
+        try:
+            c.count_stored(self.spec.name, self._entry.namespace, blocks, nbytes, timeout=self.call_timeout_s)
+        except Exception as e:  # noqa: BLE001 - kept for the next round
+            self.stored(blocks, nbytes)
+            self.counters.add("manifest_errors")
+            self.quiet.warning(f"{self._component}.manifest_failed", error=f"{type(e).__name__}: {e}")
+
+    def _mismatched(self, e: Exception, counter: str = "pool_mismatches", event: str = "pool_mismatch") -> None:
+        """The link stays down (tried again after mismatch_retry_s); each distinct finding is
+        counted and logged once."""
         self._next_try = time.monotonic() + self._mismatch_retry_s
         if str(e) != self.mismatch:
-            self.counters.add("pool_mismatches")
-            self.log.error(f"{self._component}.pool_mismatch", error=str(e))
+            self.counters.add(counter)
+            self.log.error(f"{self._component}.{event}", error=str(e))
         self.mismatch = str(e)
 
     def _drop(self, c: SyncClient) -> None:
@@ -241,6 +307,7 @@ class EngineLink:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(10)
         if c is not None:
+            self._flush_stored(c, now=True)  # the manifest's last counts (bounded by call_timeout_s)
             self._close_quietly(c)
 
     # --- the guard -----------------------------------------------------------------------------
@@ -274,4 +341,6 @@ class EngineLink:
         blocks were taken. The engine's bytes are staged when this returns."""
         res = client.put_with(self.spec.name, keys, fill, parent=parent, token_ids=token_ids, wait_s=wait_s,
                               timeout=wait_s + self.call_timeout_s)
+        if res.staged:
+            self.stored(res.staged, res.staged * client.pool(self.spec.name).block_bytes)
         return res.staged

@@ -57,12 +57,17 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     caches = {f"layers.{i}.attn": torch.empty((2 * n + 1, *page), dtype=dtype) for i in range(layout["layers"])}
     for c in caches.values():
         c.view(torch.uint8).random_(0, 256)
-    ns = KeyNamespace(layout["model"], "bench", bs, layout["layers"], layout["kv_heads"], layout["head_dim"],
-                      layout["dtype"], "bench", "cpu")
+    ns = KeyNamespace(layout["model"], '{"weights":"operator:bench"}', "bench", bs, layout["layers"],
+                      layout["kv_heads"], layout["head_dim"], layout["dtype"], "bench", "cpu")
     settings = ConnectorSettings(pool="b", runtime_dir=str(env.rdir), staging_blocks=n, call_timeout_s=120)
     link = connector_link(settings.pool, settings.runtime_dir, n, settings.retry_s, settings.call_timeout_s)
     mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), list(caches))
     mover.register(caches)
+    deadline = time.monotonic() + 30  # the link's own thread connects: wait for it, as an engine would not
+    while link.client() is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the connector's link did not connect in 30 s {link.mismatch}")
+        time.sleep(0.05)
     raw = SyncClient(env.rdir, staging_blocks=n, timeout=120)
     pool = raw.pool("b")
     bb = pool.block_bytes

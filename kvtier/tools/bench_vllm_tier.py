@@ -161,7 +161,7 @@ def measure_secondary_tier(runtime_dir: str, pool: str, chunk_bytes: int, n_chun
     tier = SecondaryTierFactory.create_secondary_tier(
         {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm.secondary_tier", "pool": pool,
          "runtime_dir": str(runtime_dir), "staging_chunks": staging_chunks, "store_timeout_s": 120.0,
-         "load_timeout_s": 120.0}, view, _spec())
+         "load_timeout_s": 120.0, "weights_id": "bench-random-chunks"}, view, _spec())  # no checkpoint here
     bound = None
     best = dict.fromkeys(("store", "load", "put", "get"), float("inf"))
     ok = True

@@ -30,7 +30,9 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_l
 TINY_POOL = dict(layers=2, kv_heads=2, head_dim=32, block_tokens=32, dtype="float32")
 
 
-def make_model(path: str | Path, seed: int = 0) -> Path:
+def make_model(path: str | Path, seed: int = 0, **config) -> Path:
+    """The tiny random Llama; `config` adds to its LlamaConfig (layer_types and sliding_window make
+    it a hybrid of sliding-window and full-attention layers)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,7 +46,7 @@ def make_model(path: str | Path, seed: int = 0) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=1, eos_token_id=2, torch_dtype="float32"))
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **config}, bos_token_id=1, eos_token_id=2, torch_dtype="float32"))
     model.save_pretrained(path)
     return path
 
@@ -71,7 +73,9 @@ def serve(args: argparse.Namespace) -> None:
         extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
               enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=4,
-              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0, **extra)
+              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0,
+              served_model_name=args.served_model_name or None,
+              speculative_config=json.loads(args.speculative_config) if args.speculative_config else None, **extra)
     answer("KVTIER-READY")
     for line in sys.stdin:
         if not line.strip():
@@ -100,8 +104,13 @@ def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extr
 
 class EngineProcess:
     def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None = None,
-                 prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None) -> None:
+                 prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None,
+                 served_model_name: str = "", speculative_config: dict | None = None) -> None:
         cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
+        if served_model_name:
+            cmd += ["--served-model-name", served_model_name]
+        if speculative_config is not None:
+            cmd += ["--speculative-config", json.dumps(speculative_config)]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if kv_events_config is not None:  # vLLM's own KV-event publisher (KVEventsConfig's fields)
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--max-model-len", type=int, default=4096)
     sv.add_argument("--kv-cache-mib", type=int, default=64)
     sv.add_argument("--no-prefix-caching", action="store_true")
+    sv.add_argument("--served-model-name", default="", help="the name vLLM serves the model as")
+    sv.add_argument("--speculative-config", default="", help="vLLM's speculative_config as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "make-model":
         print(make_model(args.dir))

@@ -61,7 +61,11 @@ def node_factory(tmp_path_factory: pytest.TempPathFactory, module_redis: RedisPr
 
 def storage_config(runtime_dir: Path | str, *, tp_rank: int = 0, tp_size: int = 1, model: str = "org/model",
                    mla: bool = False, page_first: bool = True, **extra: Any) -> HiCacheStorageConfig:
-    """What SGLang's cache controller builds (_generate_storage_config), with our extra config."""
+    """What SGLang's cache controller builds (_generate_storage_config), with our extra config.
+    No SGLang scheduler publishes its server args here, so the weights' identity comes from the
+    extra config: `model_path` (a checkpoint kvtier reads) or, by default, a weights_id per model."""
+    if "model_path" not in extra:
+        extra.setdefault("weights_id", f"test-weights:{model}")
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=page_first, model_name=model,

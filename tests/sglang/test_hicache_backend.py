@@ -17,8 +17,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from kvtier.integrations.link import PoolMismatch
 from kvtier.integrations.sglang import KvtierHiCacheStorage
 from kvtier.integrations.sglang.hicache_config import ConfigError
+from kvtier.integrations.weights import WeightsUnknown
 from kvtier.store.redis_blocks import redis_block_key
 from tests.sglang.conftest import PAGE, POOL, host_pool, pool_toml
+from tests.support.checkpoints import copy_checkpoint, write_checkpoint
 from tests.support.waiting import wait_until
 
 
@@ -84,6 +86,35 @@ def test_batch_exists_counts_the_leading_run(node_factory, backend_factory) -> N
     out = [host.get_dummy_flat_data_page() for _ in keys]
     got = be.batch_get(keys, out)
     assert [g is not None for g in got] == [True] * 4 + [False] * 4  # from the first miss on, None
+
+
+def test_the_weights_decide_not_the_served_name(node_factory, backend_factory, tmp_path) -> None:
+    """Two checkpoints served under one name share no page; the same weights copied to another
+    directory, served under another name, share every page."""
+    node = node_factory()
+    a = write_checkpoint(tmp_path / "a", seed=1)
+    b = write_checkpoint(tmp_path / "b", seed=2)
+    copy = copy_checkpoint(a, tmp_path / "elsewhere" / "a")
+    host = host_pool()
+    be_a = backend_factory(node.runtime_dir, host, model="llama", model_path=str(a))
+    be_b = backend_factory(node.runtime_dir, host_pool(), model="llama", model_path=str(b))
+    be_copy = backend_factory(node.runtime_dir, host_pool(), model="llama-v2", model_path=str(copy))
+    keys = chain(4, "weights")
+    vals = page_values(host, 4, seed=9)
+    assert be_a.batch_set(keys, vals)
+    wait_until(lambda: stored(be_a, keys), 10)
+    assert be_b.batch_exists(keys) == 0
+    assert be_b.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]) == [None] * 4
+    assert be_copy.batch_exists(keys) == 4
+    got = be_copy.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+    assert all(g is not None and torch.equal(g, v) for g, v in zip(got, vals))
+    # Weights kvtier cannot find are refused at attach, never keyed by the served name alone.
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text("{}")
+    with pytest.raises(WeightsUnknown, match="no weights files"):
+        backend_factory(node.runtime_dir, host_pool(), model="llama", model_path=str(tmp_path / "no-weights"))
+    with pytest.raises(WeightsUnknown, match="set model_path or weights_id"):
+        backend_factory(node.runtime_dir, host_pool(), model="org/not-cached", model_path="org/not-cached")
 
 
 def test_tp_rank_model_and_mla_isolation(node_factory, backend_factory) -> None:

@@ -53,6 +53,7 @@ max_deliveries = 3
 [daemon]
 shutdown_grace_s = 5.0
 stats_interval_s = 0.1
+manifest_interval_s = 0.2
 persist_arena = {str(persist_arena).lower()}
 off_loop_copy_bytes = 0  # every copy off the event loop: the thread path is the one tested
 {extra}

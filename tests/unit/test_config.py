@@ -71,7 +71,7 @@ def test_default_node_id_is_a_sanitized_hostname(monkeypatch: pytest.MonkeyPatch
 def test_example_file_loads() -> None:
     cfg = load_config(EXAMPLE, {})
     (pool,) = cfg.pools
-    assert pool.name == "llama3-8b" and pool.model == "meta-llama/Meta-Llama-3-8B"
+    assert pool.name == "llama3-8b" and pool.model.startswith("meta-llama/Meta-Llama-3-8B@")  # weights + revision
     assert pool.block_shape == (32, 2, 8, 16, 128)
     assert (pool.dtype, pool.gpu_blocks, pool.cpu_blocks) == ("bfloat16", 64, 512)
     assert cfg.node.id == "node-a"

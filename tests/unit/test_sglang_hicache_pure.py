@@ -32,9 +32,14 @@ class Cfg:  # the attributes of SGLang's HiCacheStorageConfig that the namespace
     logical_page_size: int | None = None
 
 
+WEIGHTS = {"weights": "content:aa", "config": "c0", "quantization": None, "kv_cache_dtype": "auto",
+           "weight_version": None}
+
+
 def key_of(cfg: Cfg, key: str = "ab" * 32, layout: str = "page_first", page_size: int = 16,
-           page_bytes: int = 8192, salt: str | None = None) -> bytes:
-    m = key_mapper(namespace_fields(cfg, layout=layout, page_size=page_size, page_bytes=page_bytes, salt=salt))
+           page_bytes: int = 8192, salt: str | None = None, weights: dict = WEIGHTS) -> bytes:
+    m = key_mapper(namespace_fields(cfg, weights=weights, layout=layout, page_size=page_size, page_bytes=page_bytes,
+                                    salt=salt))
     return page_key(m, key)
 
 
@@ -67,7 +72,7 @@ def test_keys_are_32_bytes_and_deterministic() -> None:
 
 
 @pytest.mark.parametrize("change", [
-    dict(tp_rank=1, tp_size=2), dict(tp_size=2), dict(model_name="org/other"), dict(pp_size=2),
+    dict(tp_rank=1, tp_size=2), dict(tp_size=2), dict(pp_size=2),
     dict(attn_cp_size=2), dict(is_mla_model=True),
 ])
 def test_topology_changes_the_key(change: dict) -> None:
@@ -86,7 +91,8 @@ def test_mla_pages_are_shared_by_tp_ranks_but_not_pp_stages() -> None:
 
 
 def test_page_keys_must_be_strings() -> None:
-    m = key_mapper(namespace_fields(Cfg(), layout="page_first", page_size=16, page_bytes=8192, salt=None))
+    m = key_mapper(namespace_fields(Cfg(), weights=WEIGHTS, layout="page_first", page_size=16, page_bytes=8192,
+                                    salt=None))
     for bad in (b"ab", 3, None, ""):
         with pytest.raises(TypeError):
             page_key(m, bad)
@@ -126,16 +132,18 @@ def test_tensor_bytes_refuses_what_it_cannot_view() -> None:
 
 def test_host_dtype_and_geometry_change_the_key() -> None:
     def with_host(**host) -> bytes:
-        m = key_mapper(namespace_fields(Cfg(), layout="page_first", page_size=16, page_bytes=8192, salt=None,
-                                        host={"dtype": "float8_e4m3fn", "layer_num": 2, **host}))
+        m = key_mapper(namespace_fields(Cfg(), weights=WEIGHTS, layout="page_first", page_size=16, page_bytes=8192,
+                                        salt=None, host={"dtype": "float8_e4m3fn", "layer_num": 2, **host}))
         return page_key(m, "ab" * 32)
 
     assert with_host() != with_host(dtype="float8_e5m2") != with_host(layer_num=4)
     assert with_host() == with_host()
 
 
-def test_model_names_that_differ_only_in_slashes_do_not_meet() -> None:
-    assert key_of(Cfg(model_name="a/b-c")) != key_of(Cfg(model_name="a-b/c"))
+@pytest.mark.parametrize("field", ["weights", "config", "quantization", "kv_cache_dtype", "weight_version"])
+def test_the_weights_decide_not_the_served_name(field: str) -> None:
+    assert key_of(Cfg(model_name="llama")) == key_of(Cfg(model_name="org/llama-copy"))
+    assert key_of(Cfg(), weights={**WEIGHTS, field: "other"}) != key_of(Cfg())
 
 
 def test_host_geometry_reads_what_the_pool_says() -> None:

@@ -8,8 +8,8 @@ import torch
 from kvtier.integrations.vllm.connector_config import ConnectorConfigError, ConnectorSettings, KeyNamespace, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, page_shape, scatter_blocks
 
-NS = KeyNamespace(model="m", engine_version="0.32", block_size=32, layers=2, kv_heads=2, head_size=32,
-                  dtype="float32", kv_layout="LBHNC", device="cpu")
+NS = KeyNamespace(model="m", weights='{"weights":"content:aa"}', engine_version="0.32", block_size=32, layers=2,
+                  kv_heads=2, head_size=32, dtype="float32", kv_layout="LBHNC", device="cpu")
 
 
 def test_settings_defaults_and_milliseconds():
@@ -35,8 +35,11 @@ def test_salt_separates_ranks_tenants_and_layouts():
         rank_salt(KeyNamespace(**{**_fields(NS), "device": "cuda"}), (0, 1), (0, 1), None),
         rank_salt(KeyNamespace(**{**_fields(NS), "kv_layout": "NHD"}), (0, 1), (0, 1), None),
         rank_salt(KeyNamespace(**{**_fields(NS), "engine_version": "0.33"}), (0, 1), (0, 1), None),
+        rank_salt(KeyNamespace(**{**_fields(NS), "weights": '{"weights":"content:bb"}'}), (0, 1), (0, 1), None),
     }
-    assert base not in others and len(others) == 8
+    assert base not in others and len(others) == 9
+    # The served name is readable, not part of the key: the weights decide.
+    assert rank_salt(KeyNamespace(**{**_fields(NS), "model": "other"}), (0, 1), (0, 1), None) == base
 
 
 def _fields(ns: KeyNamespace) -> dict:

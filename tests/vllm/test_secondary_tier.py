@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.integrations.vllm.secondary_tier import KvtierSecondaryTier
 from kvtier.store.redis_blocks import redis_block_key
+from tests.support.checkpoints import copy_checkpoint, write_checkpoint
 from tests.support.waiting import wait_until
 
 CHUNK = 64 << 10  # bytes per vLLM offload chunk in these tests (a page multiple, as vLLM needs)
@@ -70,11 +71,11 @@ TIER = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm.
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def make_spec(events: bool = False) -> MagicMock:
+def make_spec(events: bool = False, model: str = "test-model") -> MagicMock:
     spec = MagicMock()
     spec.config = OffloadingConfig(
         groups=(), worker_kv_bytes_per_block=0, enable_kv_cache_events=events, extra_config={},
-        engine_id="test-engine", model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        engine_id="test-engine", model=OffloadingModelConfig(name=model, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
@@ -159,7 +160,13 @@ def tiers():
     made: list[KvtierSecondaryTier] = []
 
     def make(view: memoryview, runtime_dir, spec=None, **kw) -> KvtierSecondaryTier:
-        cfg = {**TIER, "pool": POOL, "runtime_dir": str(runtime_dir), "store_timeout_s": 5.0, **kw}
+        """A tier as vLLM's factory builds it. Its spec names no checkpoint on disk ("test-model"),
+        so the weights' identity is the operator's weights_id unless a test passes weights_id=None
+        (then the spec's model must be a checkpoint directory)."""
+        cfg = {**TIER, "pool": POOL, "runtime_dir": str(runtime_dir), "store_timeout_s": 5.0,
+               "weights_id": "test-weights", **kw}
+        if cfg["weights_id"] is None:
+            del cfg["weights_id"]
         tier = SecondaryTierFactory.create_secondary_tier(cfg, view, spec or make_spec())
         made.append(tier)
         return tier
@@ -236,6 +243,29 @@ def test_a_second_node_loads_the_chunks_through_redis(daemon_factory, primaries,
     assert [chunk_bytes(view_b, c) for c in range(11, 16)] == data
     assert tier_b.counters.snapshot()["load_chunks_prefetched"] == 5
     assert tier_b.lookup(keys[0], ReqContext(req_id="again")) is LookupResult.HIT  # now resident on b
+
+
+def test_the_weights_decide_not_the_models_name(daemon_factory, primaries, tiers, tmp_path):
+    """The tier's key holds the checkpoint's content, read from the directory vLLM names: other
+    weights share no chunk; the same weights in another directory share every one; weights it
+    cannot read are refused at start (vLLM's start fails with the fix), never keyed by name."""
+    d = daemon_factory(node="a", pools_toml=POOLS_TOML)
+    a = write_checkpoint(tmp_path / "a", seed=1)
+    copy = copy_checkpoint(a, tmp_path / "elsewhere")
+    b = write_checkpoint(tmp_path / "b", seed=2)
+    view = primaries()
+    tier_a = tiers(view, d.runtime_dir, make_spec(model=str(a)), weights_id=None)
+    tier_b = tiers(primaries(), d.runtime_dir, make_spec(model=str(b)), weights_id=None)
+    tier_copy = tiers(primaries(), d.runtime_dir, make_spec(model=str(copy)), weights_id=None)
+    keys = [okey(i, "weights") for i in range(3)]
+    fill(view, range(3), seed=5)
+    tier_a.submit_store(job(1, keys, range(3), load=False))
+    assert finish(tier_a)[0].success
+    assert resolve(tier_copy, keys) == [LookupResult.HIT] * 3
+    assert resolve(tier_b, keys) == [LookupResult.MISS] * 3
+    assert tier_b.keys(keys[0]) != tier_a.keys(keys[0]) == tier_copy.keys(keys[0])
+    with pytest.raises(ValueError, match="set weights_id in the tier's options"):
+        tiers(primaries(), d.runtime_dir, make_spec(model="org/not-cached"), weights_id=None)
 
 
 def test_more_chunks_than_the_node_holds_go_through_redis_and_come_back(daemon_factory, primaries, tiers):

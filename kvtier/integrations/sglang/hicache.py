@@ -3,7 +3,7 @@
 SGLang builds it through `StorageBackendFactory.create_backend("dynamic", config, host_pool)`,
 which calls `KvtierHiCacheStorage(storage_config, kwargs)`, then `register_mem_pool_host`. One
 SGLang page is one kvtier block of the configured pool: its flat bytes (hicache_pages.py), under
-a key namespaced by model, parallel layout and host layout (hicache_keys.py).
+a key namespaced by the weights' identity, parallel and host layout (hicache_keys.py).
 
 - batch_exists: the leading run this node holds (shared memory), then what Redis holds after it.
 - batch_get / batch_get_v1: local blocks are copied from shared memory straight into SGLang's
@@ -16,10 +16,10 @@ a key namespaced by model, parallel layout and host layout (hicache_keys.py).
   `is_storage_writer`.
 - clear: bumps the namespace's epoch in Redis (part of every key): its pages are never found
   again, on any node, and age out; nothing other namespaces share is deleted.
-- Best effort: every call goes through the link's guard (kvtier/integrations/link.py): a daemon
-  that is down, a Redis outage, a timeout or a bad page is a miss (None, False, 0) with a counter
-  and a throttled log line; no call raises into SGLang. The only errors SGLang sees are at
-  attach: a bad extra config, or a pool that cannot hold its pages (PoolMismatch).
+- Best effort: every call goes through the link's guard (integrations/link.py): a daemon down,
+  a Redis outage, a timeout or a bad page is a miss (None, False, 0), counted and logged
+  (throttled). The only errors SGLang sees are at attach: a bad extra config, weights kvtier
+  cannot identify (WeightsUnknown), or a pool that cannot hold its pages (PoolMismatch).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import sglang
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
 
@@ -38,6 +39,7 @@ from kvtier.integrations.counters import Counters, LogThrottle
 from kvtier.integrations.link import LINK_COUNTERS, EngineLink
 from kvtier.integrations.sglang import hicache_pages as pages
 from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettings
+from kvtier.integrations.sglang.hicache_identity import backend_weights
 from kvtier.integrations.sglang.hicache_namespace import EpochUnknown, PageNamespace
 from kvtier.integrations.sglang.hicache_pool import page_spec
 
@@ -66,17 +68,17 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.log = library_logger().bind(component="sglang_hicache", pool=self.settings.pool,
                                          tp_rank=storage_config.tp_rank)
         if unknown:
-            self.log.warning("sglang_hicache.unknown_config_keys", keys=unknown,
-                             detail="not kvtier's or SGLang's; ignored (a typo?)")
+            self.log.warning("sglang_hicache.unknown_config_keys", keys=unknown, detail="ignored (a typo?)")
         self.warn = LogThrottle(self.log)
         self.counters = Counters(LINK_COUNTERS + COUNTERS)
         self.writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
-        self.ns = PageNamespace(storage_config, self.settings.pool, self.settings.salt, self.warn)
+        st = self.settings
+        self.ns = PageNamespace(storage_config, st.pool, st.salt, self.warn,
+                                backend_weights(storage_config, st, self.log))
         self._metrics: dict[str, deque[float]] = {n: deque(maxlen=METRICS_KEPT) for n in
                                                   ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
                                                    "backup_bandwidth")}
-        st = self.settings
         self.link = EngineLink(runtime_dir=st.runtime_dir, spec=page_spec(st.pool, None, None),
                                counters=self.counters, log=self.log, retry_s=st.retry_s,
                                staging_blocks=st.staging_blocks, connect_timeout_s=st.connect_timeout_s,
@@ -91,20 +93,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         page_size, page_bytes = int(mem_pool_host.page_size), pages.host_page_bytes(mem_pool_host)
         if (self.storage_config.extra_config or {}).get("interface_v1"):
-            try:
-                view = pages.page_view(mem_pool_host, 0)
-            except Exception as e:
-                raise ConfigError(f"SGLang's host layout {getattr(mem_pool_host, 'layout', '?')!r} gives no in-place "
-                                  f"page view ({e}): leave interface_v1 out of the extra config") from e
-            if view.size != page_bytes:
-                raise ConfigError(f"SGLang's host page view is {view.size} bytes, its pages {page_bytes}: leave "
-                                  "interface_v1 out of the extra config")
+            pages.check_in_place_view(mem_pool_host, page_bytes)
         self.ns.set_host(str(getattr(mem_pool_host, "layout", self.ns.layout)), page_size, page_bytes,
                          pages.host_geometry(mem_pool_host))
-        self.link.spec = page_spec(self.settings.pool, page_size, page_bytes)
-        client = self.link.current
+        spec, client = page_spec(self.settings.pool, page_size, page_bytes), self.link.current
         if client is not None:
-            self.link.spec.check(client)  # PoolMismatch: SGLang's attach fails with the reason
+            spec.check(client)  # PoolMismatch: SGLang's attach fails with the reason
+        self.link.spec = spec
+        self.link.register(self.ns.manifest_entry(sglang.__version__))  # its namespace, in the pool's manifest
         self.log.info("sglang_hicache.host_pool", layout=self.ns.layout, page_size=page_size, page_bytes=page_bytes)
 
     def _keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # Keys SGLang itself reads from the same object (storage/backend_factory.py, cache_controller.py).
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+                         "file_storage_path", "allocator"})
 
 
 class ConfigError(ValueError):
@@ -26,6 +27,8 @@ class HiCacheSettings:
     runtime_dir: str | None = None  # the daemon's runtime dir; default: KVTIER__NODE__RUNTIME_DIR or the usual place
     remote: bool = True  # read pages this node lacks straight from Redis (read-through)
     salt: str | None = None  # mixed into every key: deployments that must never share pages
+    model_path: str | None = None  # where the weights are, when SGLang does not say (hicache_identity.py)
+    weights_id: str | None = None  # the weights' identity, for weights kvtier cannot read
     connect_timeout_s: float = 5.0  # one attempt to reach the daemon
     call_timeout_s: float = 5.0  # the longest one storage call may take before it counts as a miss
     remote_timeout_s: float = 2.0  # the longest a read-through may wait on Redis
@@ -45,7 +48,7 @@ class HiCacheSettings:
                 continue
             v = extra[name]
             default = f.default
-            if name in ("runtime_dir", "salt"):
+            if name in ("runtime_dir", "salt", "model_path", "weights_id"):
                 if v is not None and (not isinstance(v, str) or not v):
                     raise ConfigError(f"kvtier extra config: {name!r} must be a non-empty string, got {v!r}")
             elif name == "pool":

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.client import ManifestEntry
 from kvtier.client.sync import SyncClient
 from kvtier.integrations.counters import LogThrottle
 from kvtier.integrations.namespaced_keys import KeyMapper, namespace_bytes
@@ -26,8 +27,10 @@ class EpochUnknown(Exception):
 
 
 class PageNamespace:
-    def __init__(self, storage_config: Any, pool: str, salt: str | None, warn: LogThrottle) -> None:
+    def __init__(self, storage_config: Any, pool: str, salt: str | None, warn: LogThrottle,
+                 weights: dict[str, Any]) -> None:
         self.storage_config = storage_config
+        self.weights = weights  # the weights' identity (hicache_identity.py)
         self.pool = pool
         self.salt = salt
         self.warn = warn
@@ -51,6 +54,21 @@ class PageNamespace:
             self.layout, self.page_size, self.page_bytes, self._host = layout, page_size, page_bytes, geometry
             self._fields, self._mapper = None, None
 
+    def manifest_entry(self, engine_version: str) -> ManifestEntry:
+        """The backend's entry in the pool's manifest (core/manifest.py), once the host pool is
+        registered: its namespace id is the epoch's name, from the same fields."""
+        with self._lock:
+            fields = namespace_fields(self.storage_config, weights=self.weights, layout=self.layout,
+                                      page_size=int(self.page_size or 0), page_bytes=int(self.page_bytes or 0),
+                                      salt=self.salt, host=self._host)
+            page = {"page_bytes": self.page_bytes, "page_size": self.page_size, "layout": self.layout,
+                    "host": self._host}
+        cfg = self.storage_config
+        return ManifestEntry(namespace=hashlib.sha256(namespace_bytes(fields)).hexdigest()[:32],
+                             engine="sglang-hicache", engine_version=engine_version,
+                             model=str(cfg.model_name or ""), weights=dict(self.weights), page=page,
+                             extra={"tp_size": cfg.tp_size, "mla": bool(cfg.is_mla_model)})
+
     def keys(self, client: SyncClient, keys: Sequence[object]) -> list[bytes]:
         mapper = self.mapper(client)  # one mapper for the whole call: one epoch per batch
         return [page_key(mapper, k) for k in keys]
@@ -63,7 +81,7 @@ class PageNamespace:
             if self._fields is None:
                 p = client.pool(self.pool)
                 self._fields = namespace_fields(
-                    self.storage_config, layout=self.layout,
+                    self.storage_config, weights=self.weights, layout=self.layout,
                     page_size=self.page_size if self.page_size is not None else p.layout.block_tokens,
                     page_bytes=self.page_bytes if self.page_bytes is not None else p.block_bytes,
                     salt=self.salt, host=self._host)

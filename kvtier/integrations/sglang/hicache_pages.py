@@ -17,6 +17,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.client import checksum_parts
+from kvtier.integrations.sglang.hicache_config import ConfigError
 
 U8 = npt.NDArray[np.uint8]
 
@@ -93,3 +94,16 @@ def host_geometry(host_pool: Any) -> dict[str, Any]:
         if isinstance(v, int):
             out[name] = v
     return out
+
+
+def check_in_place_view(host_pool: Any, page_bytes: int) -> None:
+    """interface_v1 reads into SGLang's pages in place: its host layout must give a flat view of
+    each page, of the page's bytes. ConfigError (the attach fails) otherwise."""
+    try:
+        view = page_view(host_pool, 0)
+    except Exception as e:
+        raise ConfigError(f"SGLang's host layout {getattr(host_pool, 'layout', '?')!r} gives no in-place "
+                          f"page view ({e}): leave interface_v1 out of the extra config") from e
+    if view.size != page_bytes:
+        raise ConfigError(f"SGLang's host page view is {view.size} bytes, its pages {page_bytes}: leave "
+                          "interface_v1 out of the extra config")

@@ -24,11 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvtier.integrations.namespaced_keys import namespace_bytes
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
 from kvtier.integrations.vllm.connector_link import connector_link
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
 from kvtier.integrations.vllm.connector_worker import WorkerMover
+from kvtier.integrations.vllm.model_identity import connector_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,15 +65,47 @@ class KvtierConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KeyNamespace:
+# What a KV-cache spec that is not plain full attention holds, and why kvtier does not carry it.
+UNSUPPORTED_KINDS = {
+    "SlidingWindowSpec": "sliding-window attention: vLLM frees the blocks behind the window, so a saved "
+                         "prefix is not whole (with full-attention layers beside them, vLLM turns its hybrid "
+                         "manager off for this connector and they are stored whole: that is supported)",
+    "ChunkedLocalAttentionSpec": "chunked local attention: vLLM frees the blocks of past chunks",
+    "MambaSpec": "Mamba / linear-attention state, which kvtier does not carry",
+    "MLAAttentionSpec": "MLA latent pages, not run with kvtier yet (vLLM's CPU MLA backend turns prefix "
+                        "caching off)",
+    "CrossAttentionSpec": "encoder-decoder cross-attention",
+    "EncoderOnlyAttentionSpec": "encoder-only attention (no KV cache to reuse)",
+}
+
+
+def check_kv_groups(kv_cache_config: KVCacheConfig) -> None:
+    """ValueError naming the layer kind when the model's KV cache is not one group of full
+    attention: the pages kvtier stores must be the whole state a prefix needs."""
     groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     if len(groups) != 1:
-        raise ValueError(f"kvtier's connector supports models with one KV-cache group, this one has {len(groups)}")
+        raise ValueError(f"kvtier's connector stores one KV-cache group of full attention; this model has "
+                         f"{len(groups)} ({', '.join(kinds)}): run it with vLLM's hybrid KV-cache manager off "
+                         "(--disable-hybrid-kv-cache-manager)")
+    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        why = UNSUPPORTED_KINDS.get(kinds[0], "not plain full attention")
+        raise ValueError(f"kvtier's connector stores full-attention KV pages; this model's KV cache is "
+                         f"{kinds[0]} ({why})")
+
+
+def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                  weights_id: str | None = None) -> KeyNamespace:
+    """ValueError (WeightsUnknown among them) when the connector cannot key this model safely."""
+    check_kv_groups(kv_cache_config)
+    groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec
     model = vllm_config.model_config
     served = model.served_model_name
+    identity = connector_identity(vllm_config, weights_id, log=lambda line: log.info("kvtier: %s", line))
     return KeyNamespace(
         model=str(served[0] if isinstance(served, (list, tuple)) else served or model.model),
+        weights=namespace_bytes(identity.key_fields()).decode(),
         engine_version=".".join(vllm.__version__.split(".")[:2]),
         block_size=int(spec.block_size),
         layers=len(groups[0].layer_names),
@@ -79,6 +114,7 @@ def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Ke
         dtype=str(spec.dtype).removeprefix("torch."),
         kv_layout=str(getattr(kv_cache_config, "kv_cache_layout", "") or ""),
         device=str(vllm_config.device_config.device_type),
+        revision=identity.revision,
     )
 
 
@@ -94,7 +130,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._reported: dict[str, int] = {}
         try:
-            ns = key_namespace(vllm_config, kv_cache_config)
+            ns = key_namespace(vllm_config, kv_cache_config, settings.weights_id)
         except ValueError as e:
             log.error("kvtier: connector disabled, every lookup is a miss: %s", e)
             return

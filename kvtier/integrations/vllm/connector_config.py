@@ -2,6 +2,8 @@
 
 Block keys are kvtier's own chain (`kvtier.keys`) over the request's token ids, rooted in the
 pool's layout fingerprint, a salt and the LoRA name. The salt commits, length-prefixed, to:
+- which weights computed the bytes: the weights' identity (kvtier/integrations/weights.py: their
+  content, the effective config, the quantization and the KV-cache dtype), not the served name;
 - what makes the bytes of a page mean something: the engine, the attention backend's page shape
   and dtype, vLLM's KV-cache layout name, the device type and the block size;
 - which slice of the model this rank holds: tensor- and pipeline-parallel rank and size (each
@@ -17,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SALT_DOMAIN = b"kvtier/vllm-connector/v1"
+SALT_DOMAIN = b"kvtier/vllm-connector/v2"  # v2: the weights' identity, not the served name
 
 
 class ConnectorConfigError(ValueError):
@@ -34,6 +36,7 @@ class ConnectorSettings:
     staging_blocks: int = 128  # the client's staging slots, one block of /dev/shm each
     call_timeout_s: float = 5.0  # bound on one worker-side get or put
     save_wait_s: float = 1.0  # how long a save may wait for staging slots the daemon is draining
+    weights_id: str | None = None  # the weights' identity when kvtier cannot read their files
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -55,6 +58,12 @@ class ConnectorSettings:
                     errors.append(f"'{ms_key}' must be a number >= {lo}")
                 else:
                     values[name] = v / 1000.0
+        weights_id = extra.pop("weights_id", None)
+        if weights_id is not None:
+            if not isinstance(weights_id, str) or not weights_id.strip():
+                errors.append("'weights_id' must be a non-empty string")
+            else:
+                values["weights_id"] = weights_id
         if "staging_blocks" in extra:
             v = extra.pop("staging_blocks")
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -63,7 +72,7 @@ class ConnectorSettings:
                 values["staging_blocks"] = v
         if extra:
             errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, "
-                          "redis_wait_ms, retry_ms, call_timeout_ms, save_wait_ms, staging_blocks)")
+                          "redis_wait_ms, retry_ms, call_timeout_ms, save_wait_ms, staging_blocks, weights_id)")
         if errors:
             raise ConnectorConfigError("kvtier connector kv_connector_extra_config: " + "; ".join(errors))
         return cls(pool=pool, runtime_dir=runtime_dir, **values)  # type: ignore[arg-type]
@@ -73,7 +82,8 @@ class ConnectorSettings:
 class KeyNamespace:
     """What a vLLM block's bytes mean, from facts the scheduler and every worker share."""
 
-    model: str
+    model: str  # as served: readable (the manifest, logs), not part of the key
+    weights: str  # the weights' identity (WeightsIdentity.key_fields, canonical JSON)
     engine_version: str  # vLLM's major.minor: page layouts may change between releases
     block_size: int  # tokens per vLLM block
     layers: int  # attention layers of the model's one KV-cache group
@@ -82,6 +92,7 @@ class KeyNamespace:
     dtype: str  # torch dtype name without "torch."
     kv_layout: str  # vLLM's KVCacheConfig.kv_cache_layout
     device: str  # "cpu", "cuda", ...
+    revision: str | None = None  # the weights' commit when vLLM knows it: readable (the manifest) only
 
 
 def _field(value: str) -> bytes:
@@ -92,8 +103,18 @@ def _field(value: str) -> bytes:
 def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None) -> bytes:
     """The salt for one rank's keys, tp = (rank, size) and pp = (rank, size), and one cache_salt."""
     h = hashlib.sha256(SALT_DOMAIN)
-    for f in (ns.model, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
+    for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
         h.update(_field(f))
     h.update(struct.pack("<8I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size, *tp, *pp))
     h.update(b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt))
     return h.digest()
+
+
+def namespace_id(ns: KeyNamespace) -> str:
+    """The namespace's id in the pool's manifest: every field the keys commit to (not the served
+    name, not the revision), hex."""
+    h = hashlib.sha256(SALT_DOMAIN)
+    for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
+        h.update(_field(f))
+    h.update(struct.pack("<4I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size))
+    return h.hexdigest()[:32]

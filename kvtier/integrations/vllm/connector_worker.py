@@ -9,6 +9,7 @@ vLLM then recomputes them (or fails the request, if `kv_load_failure_policy` say
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -16,9 +17,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvtier.client import checksum_parts
+from kvtier.client import ManifestEntry, checksum_parts
 from kvtier.integrations.link import EngineLink, PoolSpec
-from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
 
@@ -65,6 +66,13 @@ class WorkerMover:
         dtype = str(self.caches[0].dtype).removeprefix("torch.")
         page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
         self.link.spec = pages_spec(self.s.pool, self.ns, len(self.caches), page_bytes, dtype)
+        ns = self.ns
+        self.link.register(ManifestEntry(
+            namespace=namespace_id(ns), engine="vllm-connector", engine_version=ns.engine_version, model=ns.model,
+            weights={**json.loads(ns.weights), "revision": ns.revision},
+            page={"page_bytes": page_bytes, "layers": len(self.caches), "block_tokens": ns.block_size, "dtype": dtype,
+                  "kv_layout": ns.kv_layout, "shape": list(self.page)},
+            extra={"tp_size": self.tp[1], "pp_size": self.pp[1], "groups": 1}))
         log.info("kvtier: %d layers registered, page %s %s on %s", len(self.caches), self.page,
                  self.caches[0].dtype, self.caches[0].device)
 

@@ -28,14 +28,14 @@ Tier options (the other keys of that dict):
                        0.5 s) and tries to reconnect while it is down (0.25).
     staging_chunks     the client's staging slots, each one chunk of /dev/shm (32).
     salt               extra namespace string: tiers with different salts never share chunks.
+    weights_id         the weights' identity, for weights kvtier cannot read (tier_keys.py).
     failed_key_ttl_s   a chunk whose load failed is a miss for this long (10.0).
     enable_kv_events   emit BlockStored events (medium STORAGE) when vLLM's are on (False).
     locality           "LOCAL" or "REMOTE" on those events (None).
     backpressure       vLLM's own per-tier back-pressure config (handled by its factory).
 
-Keys: tier_keys.py (vLLM's FileMapper namespace + SHA-256). Cross-node: a chunk stored on node A
-is found by node B's tier once it is in Redis; with the daemon's default write-back policy
-that is when A's cpu tier sheds it, with `[policy] redis_write = "write-through"` at once.
+Keys: tier_keys.py. A chunk stored on node A is found by node B's tier once it is in Redis: when
+A's cpu tier sheds it (write-back, the default), or at once with write-through.
 The daemon is reached through the engine link (integrations/link.py); deadlines: tier_io.py.
 Every method returns at once and none raises into vLLM after construction: failures are failed
 jobs or misses, counted (get_stats) and logged.
@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from kvtier.integrations.vllm.tier_chunks import primary_rows
 from kvtier.integrations.vllm.tier_io import GRACE_S, Outcome, TierIO
-from kvtier.integrations.vllm.tier_keys import KeyMapper, namespace_bytes, namespace_fields
+from kvtier.integrations.vllm.tier_keys import KeyMapper, manifest_entry, namespace_bytes, namespace_fields
 from kvtier.integrations.vllm.tier_stats import Counters
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         health_interval_s: float = 0.25,
         staging_chunks: int = 32,
         salt: str | None = None,
+        weights_id: str | None = None,
         failed_key_ttl_s: float = 10.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
@@ -135,9 +136,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._timeouts = {False: float(store_timeout_s), True: float(load_timeout_s)}
         self._lookup_timeout = float(lookup_timeout_s)
         self._failed_ttl = float(failed_key_ttl_s)
-        chunk_bytes = self.block_size_bytes
-        rows = primary_rows(primary_kv_view)
-        self.keys = KeyMapper(namespace_bytes(namespace_fields(offloading_spec, chunk_bytes, salt)))
+        chunk_bytes, rows = self.block_size_bytes, primary_rows(primary_kv_view)
+        fields = namespace_fields(offloading_spec, chunk_bytes, salt, weights_id)
+        self.keys = KeyMapper(namespace_bytes(fields))
         self.counters = Counters()
         self._reported = self.counters.snapshot()
         self._events: list[OffloadingEvent] | None = None
@@ -151,10 +152,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._failed_keys: dict[OffloadKey, float] = {}
         self._closed = False
-        # Raises ValueError (PoolMismatch) for a pool that is missing or of the wrong size.
-        self._io = TierIO(rows, runtime_dir, pool, staging_chunks=int(staging_chunks),
-                          connect_timeout_s=float(connect_timeout_s), health_interval_s=float(health_interval_s),
-                          counters=self.counters)
+        self._io = TierIO(  # ValueError (PoolMismatch) for a pool that is missing or of the wrong size
+            rows, runtime_dir, pool, staging_chunks=int(staging_chunks), connect_timeout_s=float(connect_timeout_s),
+            health_interval_s=float(health_interval_s), counters=self.counters,
+            entry=manifest_entry(offloading_spec, fields, chunk_bytes))
         try:
             self._lookups = _Lookups(self)
         except BaseException:
@@ -169,8 +170,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return self._io.up
 
     def _log_warning(self, event: str, **kw) -> None:
-        io = getattr(self, "_io", None)
-        if io is not None:
+        if (io := getattr(self, "_io", None)) is not None:
             io.warn.warning(event, **kw)
 
     # --- lookups --------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         except Exception as e:  # the link's guard answers misses; this is for a bug in the keys
             self.counters.add("lookup_errors")
             self._log_warning("vllm_tier.lookup_failed", error=repr(e))
-        return [False] * len(keys)
+            return [False] * len(keys)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.client import Client, DropReason, SyncClient
+from kvtier.client import Client, DropReason, ManifestEntry, SyncClient
 from kvtier.client.discovery import library_logger
 from kvtier.errors import KvtierError, RedisUnavailable
 from kvtier.integrations.link import WATCH_S, EngineLink
@@ -57,7 +57,7 @@ class Outcome:
 class TierIO:
     def __init__(self, rows: np.ndarray, runtime_dir: str | None, pool: str, *, staging_chunks: int = 32,
                  connect_timeout_s: float = 5.0, health_interval_s: float = 0.25,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, entry: ManifestEntry | None = None) -> None:
         self._rows: np.ndarray | None = rows
         self.chunk_bytes = int(rows.shape[1])
         self.pool = pool
@@ -68,6 +68,8 @@ class TierIO:
                                counters=self.counters, log=self.log, retry_s=health_interval_s,
                                staging_blocks=staging_chunks, connect_timeout_s=connect_timeout_s,
                                watch_s=min(health_interval_s, WATCH_S), component="vllm_tier")
+        if entry is not None:
+            self.link.register(entry)  # entered in the manifest on the first connection
         self.link.start(first=True)  # PoolMismatch (a ValueError) for a pool that cannot hold the chunks
 
     # --- for the scheduler thread ------------------------------------------------------------
@@ -187,6 +189,8 @@ class TierIO:
         stored = await self._wait_stored(sync, client, [keys[i] for i in todo], deadline)
         for i in todo:
             ok[i] = keys[i] in stored
+        if n := sum(ok[i] for i in todo):
+            self.link.stored(n, n * self.chunk_bytes)  # the manifest's counts
         return ""
 
     async def _load(self, sync: SyncClient, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int],
