@@ -74,7 +74,7 @@ def serve(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
               enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=4,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0,
-              served_model_name=args.served_model_name or None,
+              served_model_name=args.served_model_name or None, tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=json.loads(args.speculative_config) if args.speculative_config else None, **extra)
     answer("KVTIER-READY")
     for line in sys.stdin:
@@ -105,10 +105,13 @@ def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extr
 class EngineProcess:
     def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None = None,
                  prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None,
-                 served_model_name: str = "", speculative_config: dict | None = None) -> None:
+                 served_model_name: str = "", speculative_config: dict | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
         if served_model_name:
             cmd += ["--served-model-name", served_model_name]
+        if tensor_parallel_size != 1:
+            cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if speculative_config is not None:
             cmd += ["--speculative-config", json.dumps(speculative_config)]
         if kv_transfer_config is not None:
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--no-prefix-caching", action="store_true")
     sv.add_argument("--served-model-name", default="", help="the name vLLM serves the model as")
     sv.add_argument("--speculative-config", default="", help="vLLM's speculative_config as JSON")
+    sv.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args(argv)
     if args.cmd == "make-model":
         print(make_model(args.dir))

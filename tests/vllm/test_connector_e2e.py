@@ -3,19 +3,28 @@
 Every output is compared with a run of the same prompt on an engine without the connector:
 greedy decoding on the same weights must give the same tokens whether the prefix's KV was
 computed or loaded. `cached` is vLLM's own count of prompt tokens it did not compute.
+
+The keys hold the weights' identity, not the served name (issue 27): the first engine serves the
+tiny model as "m"; the second engine on the node serves a copy of the same weights from another
+directory as "m-copy" (with n-gram speculative decoding) and reuses the prefix; a third serves
+other random weights as "m" and shares no block. Before, keys followed the served name: the third
+engine loaded the first model's KV (intact bytes, checksums pass, wrong answers).
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess, connector_config, make_model
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, PROMPTS
 
-pytestmark = pytest.mark.timeout(900)  # the module's fixtures start four engines
+pytestmark = pytest.mark.timeout(900)  # the module's fixtures start five engines
 
 P1, P2, P3 = PROMPTS["P1"], PROMPTS["P2"], PROMPTS["P3"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +39,11 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     logs = tmp_path_factory.mktemp("engines")
     rec: dict = {}
     # Node A, one engine with vLLM's own prefix cache off, so a repeat can only come from kvtier.
+    copy = tmp_path_factory.mktemp("copies") / "tiny-llama-copy"
+    shutil.copytree(tiny_model, copy)
+    other = make_model(tmp_path_factory.mktemp("other-weights"), seed=1)
     with EngineProcess(tiny_model, logs / "a1.log", connector_config(POOL, a.runtime_dir),
-                       prefix_caching=False) as e:
+                       prefix_caching=False, served_model_name="m") as e:
         rec["a1_first"] = e.generate(P1)
         # Write-through: the 11 blocks are in the cpu arena and in Redis once the daemon says so.
         wait_until(lambda: a.pool_stats(POOL).get("tiers", {}).get("redis", {}).get("copied_in", 0) >= 11,
@@ -40,10 +52,23 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
         rec["a1_repeat"] = e.generate(P1)
         rec["a1_other_salt"] = e.generate(P1, cache_salt="tenant-b")
         rec["a1_log"] = e.log_text()
-    # Node A, a second engine process: the shared prefix comes from the node's shared memory.
-    with EngineProcess(tiny_model, logs / "a2.log", connector_config(POOL, a.runtime_dir)) as e:
+    # Node A, a second engine process: the shared prefix comes from the node's shared memory,
+    # though this engine loads the weights from another directory, serves them under another
+    # name, and drafts tokens by n-gram speculation.
+    with EngineProcess(copy, logs / "a2.log", connector_config(POOL, a.runtime_dir), served_model_name="m-copy",
+                       speculative_config=NGRAM) as e:
         rec["a2_p2"] = e.generate(P2)
+        rec["a2_log"] = e.log_text()
     rec["a_stats"] = a.pool_stats(POOL)
+    # Node A, other weights served under the first engine's name: nothing of its KV is loaded.
+    with EngineProcess(other, logs / "other.log", connector_config(POOL, a.runtime_dir), prefix_caching=False,
+                       served_model_name="m") as e:
+        rec["other_p1"] = e.generate(P1)
+        rec["other_log"] = e.log_text()
+    # The pool's manifest, as `kvtier status` shows it: two namespaces (the copy shares the first's).
+    rec["models"] = wait_until(lambda: (m := a.pool_stats(POOL).get("models")) and m["namespaces"] == 2
+                               and all(x["stored_blocks"] >= 11 for x in m["models"]) and m,
+                               timeout=30, message="both models in the manifest with what they stored")
     # Node B, another daemon on the same Redis, a cold engine: the prefix comes through Redis.
     b_before = b.pool_stats(POOL)
     # Its Redis lookup and the prefetch may take as long as they need here: this test is about
@@ -87,3 +112,28 @@ def test_node_b_loads_the_prefix_from_redis_instead_of_computing_it(scenario, ba
     # Node B had none of these blocks: it promoted the prefix from Redis, then the engine read it.
     assert after["tiers"]["cpu"]["promoted_in"] - before.get("tiers", {}).get("cpu", {}).get("promoted_in", 0) >= 10
     assert after["hits"] - before.get("hits", 0) >= 10
+
+
+def identity(log: str) -> str:
+    line = next(x for x in log.splitlines() if "kvtier: weights identity content:" in x)
+    return line.split("weights identity ")[1].split()[0]
+
+
+def test_the_same_weights_elsewhere_with_speculative_decoding_share_the_prefix(scenario, baseline):
+    """a2_p2 above loaded the prefix (10 blocks) although its weights' directory and served name
+    differ; its greedy output, with n-gram drafts, is the baseline engine's."""
+    assert scenario["a2_p2"]["cached"] == 10 * BS and scenario["a2_p2"]["tokens"] == baseline["P2"]
+    assert "'speculative_config': {'method': 'ngram'" in scenario["a2_log"]
+    assert identity(scenario["a2_log"]) == identity(scenario["a1_log"])
+
+
+def test_other_weights_under_the_same_served_name_share_no_block(scenario, baseline):
+    assert scenario["other_p1"]["cached"] == 0  # nothing of the first model's KV was loaded
+    assert identity(scenario["other_log"]) != identity(scenario["a1_log"])
+
+
+def test_status_lists_which_models_the_pool_holds(scenario):
+    models = scenario["models"]["models"]
+    assert sorted(m["model"] for m in models) == ["m", "m"]  # one served name, two sets of weights
+    assert len({m["weights"]["weights"] for m in models}) == 2
+    assert all(m["engine"] == "vllm-connector" and m["page"]["block_tokens"] == BS for m in models)
