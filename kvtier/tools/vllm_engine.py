@@ -51,6 +51,27 @@ def make_model(path: str | Path, seed: int = 0, **config) -> Path:
     return path
 
 
+def make_mla_model(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V2 (MLA: one latent page of kv_lora_rank 512 + rope 64 = 576 per
+    layer and token, the only head size vLLM's CPU MLA backend takes), dense layers only, with the
+    tiny Llama's tokenizer. vLLM's CPU build runs it with 16-token blocks and its own prefix cache
+    off."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = make_model(path, seed)  # the tokenizer (and Llama weights, replaced below)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=TINY["vocab_size"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+                           kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                           first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           n_shared_experts=1, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    DeepseekV2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 def serve(args: argparse.Namespace) -> None:
     # Answers go to the real stdout; everything else that writes to fd 1 (vLLM logs to stdout)
     # is sent to stderr, so a driver reads nothing but answers.

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvtier.integrations.namespaced_keys import namespace_bytes
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
@@ -72,8 +72,6 @@ UNSUPPORTED_KINDS = {
                          "manager off for this connector and they are stored whole: that is supported)",
     "ChunkedLocalAttentionSpec": "chunked local attention: vLLM frees the blocks of past chunks",
     "MambaSpec": "Mamba / linear-attention state, which kvtier does not carry",
-    "MLAAttentionSpec": "MLA latent pages, not run with kvtier yet (vLLM's CPU MLA backend turns prefix "
-                        "caching off)",
     "CrossAttentionSpec": "encoder-decoder cross-attention",
     "EncoderOnlyAttentionSpec": "encoder-only attention (no KV cache to reuse)",
 }
@@ -88,7 +86,7 @@ def check_kv_groups(kv_cache_config: KVCacheConfig) -> None:
         raise ValueError(f"kvtier's connector stores one KV-cache group of full attention; this model has "
                          f"{len(groups)} ({', '.join(kinds)}): run it with vLLM's hybrid KV-cache manager off "
                          "(--disable-hybrid-kv-cache-manager)")
-    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+    if type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):  # MLA: one latent page a layer
         why = UNSUPPORTED_KINDS.get(kinds[0], "not plain full attention")
         raise ValueError(f"kvtier's connector stores full-attention KV pages; this model's KV cache is "
                          f"{kinds[0]} ({why})")

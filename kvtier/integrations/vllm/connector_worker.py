@@ -26,11 +26,13 @@ from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
-def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str) -> PoolSpec:
-    """vLLM's pages as the pool must hold them: one vLLM block of every layer of this rank."""
+def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str, elem: int) -> PoolSpec:
+    """vLLM's pages as the pool must hold them: one vLLM block of every layer of this rank. The
+    head_dim it suggests gives the page's bytes (an MLA page holds one latent, not K and V)."""
+    head_dim = page_bytes // (2 * ns.kv_heads * ns.block_size * elem)
     return PoolSpec(
         pool, block_bytes=layers * page_bytes, block_tokens=ns.block_size, dtype=dtype,
-        howto=lambda: (f"Configure it as layers = {layers}, kv_heads = {ns.kv_heads}, head_dim = {ns.head_size}, "
+        howto=lambda: (f"Configure it as layers = {layers}, kv_heads = {ns.kv_heads}, head_dim = {head_dim}, "
                        f"block_tokens = {ns.block_size}, dtype = \"{dtype}\""),
         tokens_msg="block_tokens {have} != vLLM block_size {want} (one vLLM block must be exactly one kvtier block)",
         dtype_msg="dtype {have} != vLLM's KV dtype {want}",
@@ -65,7 +67,8 @@ class WorkerMover:
         # fit keeps the link down, every transfer a miss, with the fix in vLLM's log).
         dtype = str(self.caches[0].dtype).removeprefix("torch.")
         page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
-        self.link.spec = pages_spec(self.s.pool, self.ns, len(self.caches), page_bytes, dtype)
+        self.link.spec = pages_spec(self.s.pool, self.ns, len(self.caches), page_bytes, dtype,
+                                    self.caches[0].element_size())
         ns = self.ns
         self.link.register(ManifestEntry(
             namespace=namespace_id(ns), engine="vllm-connector", engine_version=ns.engine_version, model=ns.model,
