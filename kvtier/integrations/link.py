@@ -116,6 +116,7 @@ class EngineLink:
         # (once per link: a conflict cannot come later), and what it stored since the last flush.
         self._entry: ManifestEntry | None = None
         self._registered = False
+        self._register_next = 0.0  # after a failed registration (Redis down): when to try again
         self._stored = [0, 0]
         self._flush_next, self._flush_s = 0.0, stored_flush_s
 
@@ -230,14 +231,14 @@ class EngineLink:
         """The engine's manifest entry (its namespace, weights and page), entered in Redis now if
         the daemon is up, else on the next connection. A namespace registered for other page
         bytes takes the link down (NamespaceConflict, logged once): no block under it is read."""
-        self._entry, self._registered = entry, False
+        self._entry, self._registered, self._register_next = entry, False, 0.0
         c = self._client
         if c is not None and not self._register(c):
             self._drop(c)
 
     def _register(self, c: SyncClient) -> bool:
         """False on a conflict. Redis unreachable: counted, and tried again on the next round."""
-        if self._entry is None or self._registered:
+        if self._entry is None or self._registered or time.monotonic() < self._register_next:
             return True
         try:
             c.register_namespace(self.spec.name, self._entry, timeout=self.call_timeout_s)
@@ -245,6 +246,7 @@ class EngineLink:
             self._mismatched(e, "namespace_conflicts", "namespace_conflict")
             return False
         except Exception as e:  # noqa: BLE001 - Redis down: the blocks are still this engine's to use
+            self._register_next = time.monotonic() + self._mismatch_retry_s  # not every watch round
             self.counters.add("manifest_errors")
             self.quiet.warning(f"{self._component}.manifest_failed", error=f"{type(e).__name__}: {e}")
             return True

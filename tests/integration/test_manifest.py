@@ -95,3 +95,24 @@ def test_status_lists_the_models_and_a_conflicting_namespace_is_refused(daemon_f
                    message="the malformed entry counted")
     finally:
         first.close()
+
+
+def test_a_registration_redis_could_not_take_is_made_when_it_is_back(daemon_factory, redis_server):
+    """Redis down at the engine's start: its local blocks stay usable (the link is up, the failure
+    counted), and its entry reaches the manifest once Redis answers again."""
+    d = daemon_factory()
+    link = link_for(d.runtime_dir)
+    link.start(first=True)
+    try:
+        assert link.client() is not None
+        redis_server.stop()
+        link.register(entry(model="late"))
+        assert link.client() is not None and link.counters.snapshot()["manifest_errors"] >= 1
+        redis_server.start()
+        wait_until(lambda: any(m["model"] == "late" for m in (models(d.runtime_dir) or {}).get("models", [])),
+                   timeout=30, message="the entry registered once Redis is back")
+        assert link.client() is not None and link.counters.snapshot()["namespace_conflicts"] == 0
+    finally:
+        link.close()
+        if not redis_server.running:
+            redis_server.start()
