@@ -14,7 +14,7 @@ from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats, Lookup
 from kvtier.client.where_query import query_where
-from kvtier.core.manifest import ManifestEntry, ModelHoldings, conflict, holdings, manifest_key, stored_key
+from kvtier.core.manifest import ManifestEntry, conflict, manifest_key, stored_key
 from kvtier.core.where import Where
 from kvtier.errors import NamespaceConflict, RedisUnavailable
 from kvtier.keys import check_key
@@ -137,14 +137,3 @@ class RedisQueries:
                 await p.execute()
         except REDIS_ERRORS as e:
             raise RedisUnavailable(f"manifest counts: {type(e).__name__}: {e}") from e
-
-    async def models(self, pool: str) -> tuple[list[ModelHoldings], int]:
-        """The pool's manifest: every namespace with what it stored, and how many entries were
-        malformed (dropped). RedisUnavailable when Redis cannot answer."""
-        self.pool(pool)
-        try:
-            entries = await self._redis.hgetall(manifest_key(pool))
-            stored = await self._redis.hgetall(stored_key(pool))
-        except REDIS_ERRORS as e:
-            raise RedisUnavailable(f"manifest: {type(e).__name__}: {e}") from e
-        return holdings(entries, stored)

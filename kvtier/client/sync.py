@@ -16,7 +16,7 @@ import torch
 from kvtier.client.client import Client
 from kvtier.client.pools import ClientPool
 from kvtier.client.results import ClientStats, Lookup, PutResult, ReadCounts
-from kvtier.core.manifest import ManifestEntry, ModelHoldings
+from kvtier.core.manifest import ManifestEntry
 from kvtier.core.where import Where
 from kvtier.errors import CallTimeout
 from kvtier.keys import BlockKey
@@ -145,10 +145,6 @@ class SyncClient:
                      timeout: float | None = None) -> None:
         """Client.count_stored."""
         self._call(self._client.count_stored(pool, namespace, blocks, nbytes), timeout)
-
-    def models(self, pool: str, *, timeout: float | None = None) -> tuple[list[ModelHoldings], int]:
-        """Client.models."""
-        return self._call(self._client.models(pool), timeout)
 
     @property
     def stats(self) -> ClientStats:

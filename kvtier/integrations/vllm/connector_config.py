@@ -100,21 +100,23 @@ def _field(value: str) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
-def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None) -> bytes:
-    """The salt for one rank's keys, tp = (rank, size) and pp = (rank, size), and one cache_salt."""
+def _namespace_hash(ns: KeyNamespace) -> hashlib._Hash:
+    """SHA-256 over every field the keys commit to (not the served name, not the revision)."""
     h = hashlib.sha256(SALT_DOMAIN)
     for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
         h.update(_field(f))
-    h.update(struct.pack("<8I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size, *tp, *pp))
+    h.update(struct.pack("<4I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size))
+    return h
+
+
+def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None) -> bytes:
+    """The salt for one rank's keys, tp = (rank, size) and pp = (rank, size), and one cache_salt."""
+    h = _namespace_hash(ns)
+    h.update(struct.pack("<4I", *tp, *pp))
     h.update(b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt))
     return h.digest()
 
 
 def namespace_id(ns: KeyNamespace) -> str:
-    """The namespace's id in the pool's manifest: every field the keys commit to (not the served
-    name, not the revision), hex."""
-    h = hashlib.sha256(SALT_DOMAIN)
-    for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
-        h.update(_field(f))
-    h.update(struct.pack("<4I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size))
-    return h.hexdigest()[:32]
+    """The namespace's id in the pool's manifest (hex): the same fields, no rank, no cache_salt."""
+    return _namespace_hash(ns).hexdigest()[:32]
