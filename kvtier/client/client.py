@@ -176,3 +176,8 @@ class Client(ClientReads, ClientWrites, RedisQueries):
                 break
             tiers.append(hit[0])
         return Lookup(len(tiers), tuple(tiers))
+
+    def resident(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, not as a prefix: resident on this node (gpu or cpu). No I/O."""
+        p = self.pool(pool)
+        return [p.locate(check_key(k)) is not None for k in keys]

@@ -91,6 +91,9 @@ class SyncClient:
     def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup:
         return self._client.lookup(pool, keys)
 
+    def resident(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
+        return self._client.resident(pool, keys)
+
     # `timeout` bounds one call (default: the constructor's); TimeoutError cancels the call.
     def present(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bool]:
         """Client.present: per key, on this node or in Redis."""

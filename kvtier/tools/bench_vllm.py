@@ -49,7 +49,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks
     from kvtier.integrations.vllm.connector_link import connector_link
-    from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+    from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, GroupPart
     from kvtier.integrations.vllm.connector_worker import WorkerMover
 
     bs, dtype = layout["block_tokens"], TORCH_DTYPES[layout["dtype"]]
@@ -61,7 +61,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
                       layout["kv_heads"], layout["head_dim"], layout["dtype"], "bench", "cpu")
     settings = ConnectorSettings(pool="b", runtime_dir=str(env.rdir), staging_blocks=n, call_timeout_s=120)
     link = connector_link(settings.pool, settings.runtime_dir, n, settings.retry_s, settings.call_timeout_s)
-    mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), list(caches))
+    mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), [list(caches)])
     mover.register(caches)
     deadline = time.monotonic() + 30  # the link's own thread connects: wait for it, as an engine would not
     while link.client() is None:
@@ -79,8 +79,8 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
         for r in range(rounds):
             tokens = torch.randint(0, 128_000, (n * bs,), generator=torch.Generator().manual_seed(r)).tolist()
             src_ids = tuple(range(1, n + 1))
-            tr = BlockTransfer(f"bench-{r}", tuple(tokens), None, None, 0, src_ids)
-            keys = mover.chain_keys(link.client(), tr)
+            tr = BlockTransfer(f"bench-{r}", tuple(tokens), None, None, (GroupPart(0, 0, src_ids),))
+            keys = mover.chain_keys(link.client(), tr, 0)
             # connector save: gather from the pages, stage, until the daemon made them visible
             t0 = time.perf_counter()
             mover.save([tr])
@@ -97,7 +97,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
             put_s.append(time.perf_counter() - t0)
             # connector load into other pages, verified; the bound: Client.get of the same bytes
             dst_ids = tuple(range(n + 1, 2 * n + 1))
-            load = BlockTransfer(f"bench-load-{r}", tuple(tokens), None, None, 0, dst_ids)
+            load = BlockTransfer(f"bench-load-{r}", tuple(tokens), None, None, (GroupPart(0, 0, dst_ids),))
             t0 = time.perf_counter()
             failed = mover.load([load])
             load_s.append(time.perf_counter() - t0)

@@ -25,7 +25,7 @@ def test_settings_report_every_problem_at_once():
         assert part in msg
 
 
-def test_salt_separates_ranks_tenants_and_layouts():
+def test_salt_separates_ranks_groups_tenants_and_layouts():
     base = rank_salt(NS, (0, 1), (0, 1), None)
     assert base == rank_salt(NS, (0, 1), (0, 1), None)  # deterministic across processes
     others = {
@@ -36,8 +36,11 @@ def test_salt_separates_ranks_tenants_and_layouts():
         rank_salt(KeyNamespace(**{**_fields(NS), "kv_layout": "NHD"}), (0, 1), (0, 1), None),
         rank_salt(KeyNamespace(**{**_fields(NS), "engine_version": "0.33"}), (0, 1), (0, 1), None),
         rank_salt(KeyNamespace(**{**_fields(NS), "weights": '{"weights":"content:bb"}'}), (0, 1), (0, 1), None),
+        # A hybrid model's groups: each its own chain, and the groups' kinds in every key.
+        rank_salt(NS, (0, 1), (0, 1), None, group=1),
+        rank_salt(KeyNamespace(**{**_fields(NS), "groups": "full,sliding:64:0"}), (0, 1), (0, 1), None),
     }
-    assert base not in others and len(others) == 9
+    assert base not in others and len(others) == 11
     # The served name is readable, not part of the key: the weights decide.
     assert rank_salt(KeyNamespace(**{**_fields(NS), "model": "other"}), (0, 1), (0, 1), None) == base
 

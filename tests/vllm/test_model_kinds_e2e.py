@@ -4,51 +4,95 @@ counted and greedy output identical to what the same engine computes without kvt
 speculative decoding: test_connector_e2e.py.)
 
 The hybrid: the tiny Llama with layer_types = [sliding, full] and a 64-token window (a 360-token
-prompt reaches past it). vLLM turns its hybrid KV-cache manager off for a connector without
-SupportsHMA, so the model has one group of full-attention pages (the sliding layer's pages are
-kept whole and computed with the window): kvtier stores and loads them like a dense model's.
+prompt reaches past it). The connector supports vLLM's hybrid KV-cache manager (SupportsHMA), so
+vLLM keeps it on: two KV-cache groups of one layer each, the sliding group's blocks behind the
+window null. Each group's part of a block has its own key (kv_groups.py). To show that a prefix
+counts only where every group's part is stored, the test stops the first node and deletes one
+group's parts from Redis (their keys rebuilt from the namespace the connector published in the
+pool's manifest) before a second node asks for them.
 """
 
 from __future__ import annotations
 
 import pytest
+import redis
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_config, make_mla_model, make_model
+from kvtier.client import SyncClient
+from kvtier.core.manifest import ManifestEntry, manifest_key
+from kvtier.integrations.namespaced_keys import namespace_bytes
+from kvtier.integrations.vllm.connector_config import KeyNamespace, namespace_id, rank_salt
+from kvtier.store.redis_blocks import redis_block_key
+from kvtier.tools.vllm_engine import TINY, EngineProcess, connector_config, make_mla_model, make_model
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, pool_toml
+from tests.vllm.conftest import BS, PROMPTS, pool_toml
 
+POOL_HYBRID = "tiny-hybrid"  # one layer per KV-cache group: a block is one group's page
 POOL_MLA = "tiny-mla"  # 2 layers of one 576-float latent per token, 16-token blocks: head_dim 288 gives the bytes
 MLA_BS = 16
 
 pytestmark = pytest.mark.timeout(900)  # three engine starts
 
-P1 = PROMPTS["P1"]
+P1, Q1, Q2 = PROMPTS["P1"], PROMPTS["Q1"], PROMPTS["Q2"]
 
 
-def stored_in_redis(node, n: int) -> bool:
-    return node.pool_stats(POOL).get("tiers", {}).get("redis", {}).get("copied_in", 0) >= n
+def stored_in_redis(node, pool: str, n: int) -> bool:
+    return node.pool_stats(pool).get("tiers", {}).get("redis", {}).get("copied_in", 0) >= n
+
+
+def hybrid_namespace(r: redis.Redis) -> KeyNamespace:
+    """The namespace the connector keyed the hybrid with, rebuilt from its manifest entry (and
+    checked against the entry's id, so a wrong rebuild fails here, not as a silent no-op)."""
+    entries = [ManifestEntry.from_json(v) for v in r.hgetall(manifest_key(POOL_HYBRID)).values()]
+    [e] = [e for e in entries if e.engine == "vllm-connector"]
+    weights = {k: v for k, v in e.weights.items() if k != "revision"}
+    ns = KeyNamespace(model=e.model, weights=namespace_bytes(weights).decode(), engine_version=e.engine_version,
+                      block_size=BS, layers=1, kv_heads=TINY["num_key_value_heads"],
+                      head_size=TINY["hidden_size"] // TINY["num_attention_heads"], dtype=e.page["dtype"],
+                      kv_layout=e.page["kv_layout"], device="cpu", groups=",".join(e.page["groups"]))
+    assert namespace_id(ns) == e.namespace, (ns, e)
+    return ns
+
+
+def group_keys(client: SyncClient, ns: KeyNamespace, prompt: list[int], group: int) -> list[bytes]:
+    blocks = (len(prompt) - 1) // BS
+    return client.block_keys(POOL_HYBRID, prompt[:blocks * BS], salt=rank_salt(ns, (0, 1), (0, 1), None, group))
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory, node_factory) -> dict:
-    a, b = node_factory("vllm-kinds-a"), node_factory("vllm-kinds-b")
+def record(tmp_path_factory, node_factory, module_redis) -> dict:
+    pools = pool_toml(POOL_HYBRID, layers=1)
+    a, b = node_factory("vllm-kinds-a", pools=pools), node_factory("vllm-kinds-b", pools=pools)
     logs = tmp_path_factory.mktemp("engines")
     hybrid = make_model(tmp_path_factory.mktemp("hybrid"), seed=3,
                         layer_types=["sliding_attention", "full_attention"], sliding_window=64)
     rec: dict = {}
     # vLLM's own prefix cache off: a repeat can only come from kvtier.
-    with EngineProcess(hybrid, logs / "hybrid-a.log", connector_config(POOL, a.runtime_dir),
+    with EngineProcess(hybrid, logs / "hybrid-a.log", connector_config(POOL_HYBRID, a.runtime_dir),
                        prefix_caching=False) as e:
-        rec["hybrid_first"] = e.generate(P1)  # computed: what this engine answers without kvtier
-        wait_until(lambda: stored_in_redis(a, 11), timeout=30, message="the hybrid's blocks in Redis")
+        for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2)):
+            rec[f"hybrid_{name}"] = e.generate(prompt)  # computed: what this engine answers without kvtier
+        wait_until(lambda: stored_in_redis(a, POOL_HYBRID, 3 * 2 * 11), timeout=30,
+                   message="both groups' parts of the hybrid's 3 x 11 blocks in Redis")
         rec["hybrid_repeat"] = e.generate(P1)
         rec["hybrid_log"] = e.log_text()
-    b_before = b.pool_stats(POOL)
-    with EngineProcess(hybrid, logs / "hybrid-b.log", connector_config(POOL, b.runtime_dir, redis_wait_ms=30_000,
-                                                                        lookup_timeout_ms=5_000),
+    r = redis.Redis.from_url(module_redis.url)
+    ns = hybrid_namespace(r)
+    with SyncClient(a.runtime_dir) as client:
+        keys = {(name, g): group_keys(client, ns, prompt, g) for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2))
+                for g in (0, 1)}
+    rec["groups"] = ns.groups
+    rec["all_in_redis"] = all(r.exists(redis_block_key(POOL_HYBRID, k)) for ks in keys.values() for k in ks)
+    a.stop()  # a running node puts back what Redis lost (its resync): this one is done
+    # Q1: every part of group 0 gone; Q2: group 0's part of its last block gone.
+    rec["deleted"] = r.delete(*(redis_block_key(POOL_HYBRID, k) for k in [*keys["q1", 0], keys["q2", 0][-1]]))
+    b_before = b.pool_stats(POOL_HYBRID)
+    with EngineProcess(hybrid, logs / "hybrid-b.log", connector_config(POOL_HYBRID, b.runtime_dir,
+                                                                        redis_wait_ms=30_000, lookup_timeout_ms=5_000),
                        prefix_caching=False) as e:
-        rec["hybrid_b"] = e.generate(P1)
-    rec["b_before"], rec["b_after"] = b_before, b.pool_stats(POOL)
+        for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2)):
+            rec[f"hybrid_b_{name}"] = e.generate(prompt)
+        rec["hybrid_b_log"] = e.log_text()
+    rec["b_before"], rec["b_after"] = b_before, b.pool_stats(POOL_HYBRID)
     mla_node = node_factory("vllm-mla", pools=pool_toml(POOL_MLA, kv_heads=1, head_dim=288, block_tokens=MLA_BS))
     mla = make_mla_model(tmp_path_factory.mktemp("mla"))
     with EngineProcess(mla, logs / "mla.log", connector_config(POOL_MLA, mla_node.runtime_dir)) as e:
@@ -61,19 +105,32 @@ def record(tmp_path_factory, node_factory) -> dict:
     return rec
 
 
-def test_a_hybrid_sliding_and_full_model_reuses_its_prefix_on_the_node(record):
-    assert record["hybrid_first"]["cached"] == 0
-    assert record["hybrid_repeat"]["cached"] == 11 * BS
-    assert record["hybrid_repeat"]["tokens"] == record["hybrid_first"]["tokens"]
+def test_a_hybrid_runs_with_vllms_hybrid_manager_on_and_reuses_its_prefix_on_the_node(record):
+    assert record["groups"] == "sliding:64:0,full"  # two groups: the hybrid manager is on
+    assert "Hybrid KV cache manager is disabled" not in record["hybrid_log"]
     assert "kvtier: connector disabled" not in record["hybrid_log"]
-    # vLLM saw a hybrid (so this is not a dense model by accident) and kept every block for it.
-    assert "Hybrid KV cache manager is disabled for this hybrid model" in record["hybrid_log"]
+    assert record["hybrid_p1"]["cached"] == 0
+    assert record["hybrid_repeat"]["cached"] == 11 * BS
+    assert record["hybrid_repeat"]["tokens"] == record["hybrid_p1"]["tokens"]
 
 
 def test_a_hybrid_model_loads_its_prefix_on_another_node_through_redis(record):
-    assert record["hybrid_b"]["cached"] == 11 * BS
-    assert record["hybrid_b"]["tokens"] == record["hybrid_first"]["tokens"]
-    assert record["b_after"]["hits"] - record["b_before"].get("hits", 0) >= 11
+    assert record["hybrid_b_p1"]["cached"] == 11 * BS
+    assert record["hybrid_b_p1"]["tokens"] == record["hybrid_p1"]["tokens"]
+    # Both groups' parts were read (a sliding group only its window: 2 of 11 blocks).
+    assert record["b_after"]["hits"] - record["b_before"].get("hits", 0) >= 11 + 2
+
+
+def test_a_prefix_counts_only_where_every_groups_part_is_stored(record):
+    """Group 0 (sliding) lost every part of Q1 and the last part of Q2 from Redis; group 1 (full)
+    kept all of both. Q1 is a miss and Q2 a hit of 10 blocks (whose window, blocks 8 and 9, is
+    whole), with the output of an engine that computed them."""
+    assert record["all_in_redis"] and record["deleted"] == 12
+    assert record["hybrid_b_q1"]["cached"] == 0
+    assert record["hybrid_b_q1"]["tokens"] == record["hybrid_q1"]["tokens"]
+    assert record["hybrid_b_q2"]["cached"] == 10 * BS
+    assert record["hybrid_b_q2"]["tokens"] == record["hybrid_q2"]["tokens"]
+    assert "loaded 0 of" not in record["hybrid_b_log"]  # planned loads were whole: nothing fell back
 
 
 def test_an_mla_model_saves_and_loads_its_latent_pages(record):

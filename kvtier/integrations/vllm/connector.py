@@ -22,15 +22,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvtier.integrations.namespaced_keys import namespace_bytes
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
 from kvtier.integrations.vllm.connector_link import connector_link
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
 from kvtier.integrations.vllm.connector_worker import WorkerMover
+from kvtier.integrations.vllm.kv_groups import FULL, MLA, SLIDING, GroupRule, describe_groups
 from kvtier.integrations.vllm.model_identity import connector_identity
 
 if TYPE_CHECKING:
@@ -65,37 +67,48 @@ class KvtierConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# What a KV-cache spec that is not plain full attention holds, and why kvtier does not carry it.
+# What a KV-cache spec kvtier does not take holds, and why.
 UNSUPPORTED_KINDS = {
-    "SlidingWindowSpec": "sliding-window attention: vLLM frees the blocks behind the window, so a saved "
-                         "prefix is not whole (with full-attention layers beside them, vLLM turns its hybrid "
-                         "manager off for this connector and they are stored whole: that is supported)",
     "ChunkedLocalAttentionSpec": "chunked local attention: vLLM frees the blocks of past chunks",
     "MambaSpec": "Mamba / linear-attention state, which kvtier does not carry",
     "CrossAttentionSpec": "encoder-decoder cross-attention",
     "EncoderOnlyAttentionSpec": "encoder-only attention (no KV cache to reuse)",
+    "UniformTypeKVCacheSpecs": "layers with different page shapes in one group",
 }
 
 
-def check_kv_groups(kv_cache_config: KVCacheConfig) -> None:
-    """ValueError naming the layer kind when the model's KV cache is not one group of full
-    attention: the pages kvtier stores must be the whole state a prefix needs."""
+def _rule(spec) -> GroupRule:
+    kind = type(spec)
+    if kind is SlidingWindowSpec:
+        return GroupRule(SLIDING, int(spec.block_size), int(spec.sliding_window),
+                         int(getattr(spec, "extra_retained_tokens", 0) or 0))
+    if kind in (FullAttentionSpec, MLAAttentionSpec):  # MLA: one latent page a layer
+        return GroupRule(MLA if kind is MLAAttentionSpec else FULL, int(spec.block_size))
+    name = kind.__name__
+    raise ValueError(f"kvtier's connector stores attention KV pages (full, MLA or sliding-window); this model's "
+                     f"KV cache has {name} ({UNSUPPORTED_KINDS.get(name, 'a kind kvtier does not know')})")
+
+
+def check_kv_groups(kv_cache_config: KVCacheConfig) -> list[GroupRule]:
+    """Each KV-cache group's rule (kv_groups.py); ValueError naming the layer kind when the
+    pages kvtier stores would not be the whole state a prefix needs, or the groups do not fit
+    one pool (one block size, one number of layers)."""
     groups = kv_cache_config.kv_cache_groups
-    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1:
-        raise ValueError(f"kvtier's connector stores one KV-cache group of full attention; this model has "
-                         f"{len(groups)} ({', '.join(kinds)}): run it with vLLM's hybrid KV-cache manager off "
-                         "(--disable-hybrid-kv-cache-manager)")
-    if type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):  # MLA: one latent page a layer
-        why = UNSUPPORTED_KINDS.get(kinds[0], "not plain full attention")
-        raise ValueError(f"kvtier's connector stores full-attention KV pages; this model's KV cache is "
-                         f"{kinds[0]} ({why})")
+    rules = [_rule(g.kv_cache_spec) for g in groups]
+    sizes = sorted({len(g.layer_names) for g in groups})
+    pages = sorted({f"{g.kv_cache_spec.num_kv_heads}x{g.kv_cache_spec.head_size} {g.kv_cache_spec.dtype}"
+                    for g in groups})
+    if len({r.block_size for r in rules}) > 1 or len(sizes) > 1 or len(pages) > 1:
+        raise ValueError("kvtier's connector keeps every KV-cache group in one pool, so the groups must share a "
+                         f"block size, a number of layers and a page shape; this model's have block sizes "
+                         f"{sorted({r.block_size for r in rules})}, {sizes} layers and pages {pages}")
+    return rules
 
 
 def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                   weights_id: str | None = None) -> KeyNamespace:
     """ValueError (WeightsUnknown among them) when the connector cannot key this model safely."""
-    check_kv_groups(kv_cache_config)
+    rules = check_kv_groups(kv_cache_config)
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec
     model = vllm_config.model_config
@@ -112,11 +125,15 @@ def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         dtype=str(spec.dtype).removeprefix("torch."),
         kv_layout=str(getattr(kv_cache_config, "kv_cache_layout", "") or ""),
         device=str(vllm_config.device_config.device_type),
+        groups=describe_groups(rules),
         revision=identity.revision,
     )
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid KV-cache manager on for models with several groups
+    (sliding-window and full layers); each group's blocks are moved on their own chain."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
@@ -139,14 +156,15 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.warning("kvtier: kv_load_failure_policy is 'fail': a block evicted between lookup and load "
                             "fails its request; set it to 'recompute' to recompute such blocks instead")
             ranks = [((t, tp_size), (p, pp_size)) for t in range(tp_size) for p in range(pp_size)]
-            self._planner = SchedulerPlanner(settings, ns, self._link, ranks,
-                                             load=cfg.is_kv_consumer, save=cfg.is_kv_producer)
+            self._planner = SchedulerPlanner(settings, ns, self._link, ranks, load=cfg.is_kv_consumer,
+                                             save=cfg.is_kv_producer, rules=check_kv_groups(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             tp = (get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size)
             pp = (get_pp_group().rank_in_group if pp_size > 1 else 0, pp_size)
-            self._mover = WorkerMover(settings, ns, self._link, tp, pp, kv_cache_config.kv_cache_groups[0].layer_names)
+            self._mover = WorkerMover(settings, ns, self._link, tp, pp,
+                                      [g.layer_names for g in kv_cache_config.kv_cache_groups])
 
     # --- scheduler side --------------------------------------------------------------------------
 
@@ -169,6 +187,10 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._planner is not None:
             self._planner.finished(request.request_id)
         return False, None  # saves were staged when the blocks were computed: nothing holds them
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # --- worker side -----------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ pool's layout fingerprint, a salt and the LoRA name. The salt commits, length-pr
   and dtype, vLLM's KV-cache layout name, the device type and the block size;
 - which slice of the model this rank holds: tensor- and pipeline-parallel rank and size (each
   rank keeps only its own heads or layers, so ranks never share a key);
+- which KV-cache group the block is a part of, and every group's kind (kv_groups.py: a hybrid
+  model keeps one chain per group);
 - the request's `cache_salt` (tenants with different salts never share a block).
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SALT_DOMAIN = b"kvtier/vllm-connector/v2"  # v2: the weights' identity, not the served name
+SALT_DOMAIN = b"kvtier/vllm-connector/v3"  # v2: the weights' identity, not the served name; v3: groups
 
 
 class ConnectorConfigError(ValueError):
@@ -86,12 +88,13 @@ class KeyNamespace:
     weights: str  # the weights' identity (WeightsIdentity.key_fields, canonical JSON)
     engine_version: str  # vLLM's major.minor: page layouts may change between releases
     block_size: int  # tokens per vLLM block
-    layers: int  # attention layers of the model's one KV-cache group
+    layers: int  # attention layers in each KV-cache group (the connector takes groups of one size)
     kv_heads: int  # per rank
     head_size: int
     dtype: str  # torch dtype name without "torch."
     kv_layout: str  # vLLM's KVCacheConfig.kv_cache_layout
     device: str  # "cpu", "cuda", ...
+    groups: str = "full"  # every KV-cache group's kind, in vLLM's order (kv_groups.describe_groups)
     revision: str | None = None  # the weights' commit when vLLM knows it: readable (the manifest) only
 
 
@@ -103,16 +106,18 @@ def _field(value: str) -> bytes:
 def _namespace_hash(ns: KeyNamespace) -> hashlib._Hash:
     """SHA-256 over every field the keys commit to (not the served name, not the revision)."""
     h = hashlib.sha256(SALT_DOMAIN)
-    for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device):
+    for f in (ns.weights, ns.engine_version, ns.dtype, ns.kv_layout, ns.device, ns.groups):
         h.update(_field(f))
     h.update(struct.pack("<4I", ns.block_size, ns.layers, ns.kv_heads, ns.head_size))
     return h
 
 
-def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None) -> bytes:
-    """The salt for one rank's keys, tp = (rank, size) and pp = (rank, size), and one cache_salt."""
+def rank_salt(ns: KeyNamespace, tp: tuple[int, int], pp: tuple[int, int], cache_salt: str | None,
+              group: int = 0) -> bytes:
+    """The salt for one rank's keys of one KV-cache group, tp = (rank, size) and pp = (rank, size),
+    and one cache_salt."""
     h = _namespace_hash(ns)
-    h.update(struct.pack("<4I", *tp, *pp))
+    h.update(struct.pack("<5I", *tp, *pp, group))
     h.update(b"\x00" if cache_salt is None else b"\x01" + _field(cache_salt))
     return h.digest()
 

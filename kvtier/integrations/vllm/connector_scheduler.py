@@ -9,6 +9,9 @@ Runs in vLLM's scheduler process, on its loop, so it never waits long:
 Loads are synchronous for vLLM (the worker reads them before the forward pass). Saves are
 planned as blocks of the prompt become computed and staged by the worker in the same step, so
 a finished request's blocks are never held back (`request_finished` returns False).
+
+A hybrid model's KV-cache groups each have a chain of keys per rank (kv_groups.py): a hit is
+the longest prefix every chain holds what its group needs of, and a load moves only that.
 """
 
 from __future__ import annotations
@@ -20,22 +23,37 @@ from dataclasses import dataclass, field
 
 from kvtier.integrations.link import EngineLink
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.kv_groups import GroupRule, complete_prefix, held_part
 
 REPORT_S = 60.0
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
 @dataclass(frozen=True, slots=True)
+class GroupPart:
+    """One KV-cache group's blocks [first, first + len(block_ids)) of a prompt, and where they are
+    in vLLM (that group's block ids)."""
+
+    group: int
+    first: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class BlockTransfer:
-    """Blocks [first, first + len(block_ids)) of one request's prompt, and where they go in vLLM.
-    Workers recompute the keys from the tokens with their own rank's salt."""
+    """Blocks of one request's prompt, one part per KV-cache group. Workers recompute the keys
+    from the tokens with their own rank's salt."""
 
     req_id: str
     token_ids: tuple[int, ...]  # the prompt's tokens up to the last block moved
     cache_salt: str | None
     lora_name: str | None
-    first: int
-    block_ids: tuple[int, ...]
+    parts: tuple[GroupPart, ...]
+    refused: bool = False  # a load whose blocks vLLM laid out unlike the plan: all of it fails
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(p.block_ids) for p in self.parts)
 
 
 @dataclass(slots=True)
@@ -49,11 +67,11 @@ class _Tracked:
     prompt: tuple[int, ...]
     cache_salt: str | None
     lora_name: str | None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     saved: int = 0  # leading prompt blocks already in kvtier or handed to it
     load: tuple[int, int] | None = None  # blocks [first, end) to load before the next forward
     local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us
-    keys: list[list[bytes]] | None = None  # per rank, as far as hashed
+    keys: list[list[bytes]] | None = None  # per chain (rank-major, then group), as far as hashed
     asked_redis: bool = False
     waiting_since: float | None = None  # prefetch from Redis asked at this time
     redis_target: int = 0
@@ -64,11 +82,15 @@ class SchedulerPlanner:
 
     def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: EngineLink,
                  ranks: Sequence[tuple[tuple[int, int], tuple[int, int]]], *, load: bool, save: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 rules: Sequence[GroupRule], clock: Callable[[], float] = time.monotonic) -> None:
         self.s = settings
         self.ns = ns
         self.link = link
         self.ranks = list(ranks)  # every (tp, pp) pair: a block counts only if every rank has it
+        self.rules = list(rules)  # per KV-cache group
+        # One chain of keys per (rank, group): a block counts only if every chain holds its part.
+        self.chains = [(tp, pp, g) for tp, pp in self.ranks for g in range(len(self.rules))]
+        self.chain_rules = [self.rules[g] for _, _, g in self.chains]
         self.do_load, self.do_save = load, save
         self.clock = clock
         self.block_size = ns.block_size
@@ -89,11 +111,11 @@ class SchedulerPlanner:
         return t
 
     def _keys(self, client, t: _Tracked, n_blocks: int) -> list[list[bytes]]:
-        """Each rank's keys for the first n_blocks blocks (hashed once per request)."""
+        """Each chain's keys for the first n_blocks blocks (hashed once per request)."""
         if t.keys is None or len(t.keys[0]) < n_blocks:
             tokens = t.prompt[: n_blocks * self.block_size]
-            t.keys = [client.block_keys(self.s.pool, tokens, salt=rank_salt(self.ns, tp, pp, t.cache_salt),
-                                        lora_id=t.lora_name) for tp, pp in self.ranks]
+            t.keys = [client.block_keys(self.s.pool, tokens, salt=rank_salt(self.ns, tp, pp, t.cache_salt, g),
+                                        lora_id=t.lora_name) for tp, pp, g in self.chains]
         return [k[:n_blocks] for k in t.keys]
 
     # --- get_num_new_matched_tokens --------------------------------------------------------------
@@ -122,17 +144,23 @@ class SchedulerPlanner:
         return max(0, local * self.block_size - num_computed_tokens)
 
     def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]]]:
-        """Leading blocks resident on this node for every rank, and each rank's keys."""
+        """The leading blocks this node holds whole (every chain's part that a load needs), and
+        each chain's keys."""
         keys = self._keys(client, t, max_blocks)
-        local = max_blocks
-        for k in keys:
-            local = min(local, client.lookup(self.s.pool, k[:local]).length)
-        return local, keys
+        present: list[list[bool]] = []
+        for k, rule in zip(keys, self.chain_rules):
+            if rule.first_kept(max_blocks) == 0:  # needs every block from the first: the leading run
+                run = client.lookup(self.s.pool, k).length
+                present.append([True] * run + [False] * (len(k) - run))
+            else:
+                present.append(client.resident(self.s.pool, k))
+        return complete_prefix(self.chain_rules, present, max_blocks), keys
 
     def _prefetch(self, t: _Tracked, keys: list[list[bytes]], local: int) -> bool:
-        """Ask Redis (one bounded round trip per rank, once per request) how far each rank's
-        chain goes on; if every rank reaches past this node's prefix, prefetch the missing
-        blocks and say so."""
+        """Ask Redis (one bounded round trip per chain, once per request) how far each chain's
+        leading run goes on; if every chain reaches past this node's prefix, prefetch the
+        missing blocks each group needs and say so. (A sliding-window group's run is asked from
+        its first block: older parts Redis lost cost a miss here, never a wrong load.)"""
         if t.asked_redis:
             return False
         t.asked_redis = True
@@ -147,7 +175,8 @@ class SchedulerPlanner:
             end = min(end, found.length + found.redis_length)
         if end <= local:
             return False
-        for k, start in zip(keys, starts):
+        for k, start, rule in zip(keys, starts, self.chain_rules):
+            start = max(start, rule.first_kept(end))
             if start < end and not self.link.guard("prefetch", False, lambda c, k=k, start=start: c.prefetch(
                     self.s.pool, k[start:end], parent=k[start - 1] if start else None, timeout=timeout) or True):
                 return False
@@ -173,7 +202,7 @@ class SchedulerPlanner:
             t = self.reqs.get(new.req_id)
             if t is None:
                 continue
-            t.block_ids = list(new.block_ids[0])
+            t.block_ids = [list(ids) for ids in new.block_ids]
             self._plan(plan, new.req_id, t, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -182,27 +211,50 @@ class SchedulerPlanner:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+                t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                t.block_ids.extend(new_ids[0])
+                if not t.block_ids:
+                    t.block_ids = [[] for _ in new_ids]
+                for have, more in zip(t.block_ids, new_ids):
+                    have.extend(more)
             self._plan(plan, req_id, t, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         return plan
 
+    def _parts(self, t: _Tracked, first: int, end: int, *, load: bool) -> tuple[GroupPart, ...]:
+        """Each group's blocks of [first, end) that a transfer moves: a load only those the
+        group keeps for `end` blocks; a save every computed one (each block of a sliding group
+        is in some longer prefix's window). Never a null block."""
+        parts = []
+        for g, (rule, ids) in enumerate(zip(self.rules, t.block_ids)):
+            lo, held = held_part(ids, max(first, rule.first_kept(end)) if load else first, end)
+            if held:
+                parts.append(GroupPart(g, lo, held))
+        return tuple(parts)
+
     def _plan(self, plan: TransferPlan, req_id: str, t: _Tracked, computed_after_step: int) -> None:
         bs = self.block_size
+        held = min((len(ids) for ids in t.block_ids), default=0) if len(t.block_ids) == len(self.rules) else 0
         if t.load is not None:
             first, end = t.load
             t.load = None
-            if end > first and len(t.block_ids) >= end:
-                plan.loads.append(BlockTransfer(req_id, t.prompt[: end * bs], t.cache_salt, t.lora_name, first,
-                                                tuple(t.block_ids[first:end])))
+            if end > first and held >= end:
+                parts = self._parts(t, first, end, load=True)
+                # vLLM nulls the same blocks the rules leave out; a part that starts later means
+                # it kept fewer than the load needs: load nothing, so vLLM recomputes them all.
+                want = [(g, lo) for g, r in enumerate(self.rules) if (lo := max(first, r.first_kept(end))) < end]
+                refused = [(p.group, p.first) for p in parts] != want
+                if refused:
+                    log.error("kvtier: request %s: vLLM's blocks for groups %s do not cover the window the load "
+                              "needs; recomputing it", req_id, [p.group for p in parts])
+                plan.loads.append(BlockTransfer(req_id, t.prompt[: end * bs], t.cache_salt, t.lora_name, parts,
+                                                refused))
                 t.saved = max(t.saved, end)
         if not self.do_save:
             return
-        upto = min(min(computed_after_step, len(t.prompt)) // bs, len(t.block_ids))
+        upto = min(min(computed_after_step, len(t.prompt)) // bs, held)
         if upto > t.saved:
-            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name, t.saved,
-                                            tuple(t.block_ids[t.saved:upto])))
+            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name,
+                                            self._parts(t, t.saved, upto, load=False)))
             t.saved = upto
 
     def finished(self, req_id: str) -> None:

@@ -3,8 +3,9 @@
 Runs in each vLLM worker process (one per tensor/pipeline-parallel rank), keyed by that rank's
 salt. Loads finish before the forward pass that needs them (`start_load_kv`); saves are staged
 after it (`wait_for_save`), from every layer at once, since a kvtier block holds all of this
-rank's layers. A load that reads fewer blocks than planned reports the rest as failed block ids:
-vLLM then recomputes them (or fails the request, if `kv_load_failure_policy` says "fail").
+rank's layers of one KV-cache group (a hybrid model's groups each have their own chain). A load
+that reads fewer blocks than planned reports the rest as failed block ids: vLLM then recomputes
+them (or fails the request, if `kv_load_failure_policy` says "fail").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvtier.client import ManifestEntry, checksum_parts
 from kvtier.integrations.link import EngineLink, PoolSpec
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
-from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, GroupPart
 
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
@@ -41,51 +42,58 @@ def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype:
 
 class WorkerMover:
     def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: EngineLink,
-                 tp: tuple[int, int], pp: tuple[int, int], layer_names: Sequence[str]) -> None:
+                 tp: tuple[int, int], pp: tuple[int, int], groups: Sequence[Sequence[str]]) -> None:
         self.s = settings
         self.ns = ns
         self.link = link
         self.tp, self.pp = tp, pp
-        self.layer_names = list(layer_names)
-        self.caches: list[torch.Tensor] = []
+        self.group_layers = [list(g) for g in groups]  # layer names per KV-cache group, in model order
+        self.groups: list[list[torch.Tensor]] = []  # their caches
+        self.caches: list[torch.Tensor] = []  # every group's, for the device and dtype
         self.page: tuple[int, ...] = ()
         self._scratch: torch.Tensor | None = None
+        self._pages: list[list[np.ndarray]] | None = None
 
     # --- setup -----------------------------------------------------------------------------------
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Keep this rank's attention layers in model order (the order is part of the block)."""
-        names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
-        self.caches = [kv_caches[n] for n in names]
+        """Keep each group's attention layers of this rank in model order (the order is part of
+        the block). Layers of different groups may share memory (vLLM's hybrid manager): a
+        block id belongs to one group at a time, so each group reads only its own blocks."""
+        groups = [[kv_caches[n] for n in names if n in kv_caches] for names in self.group_layers]
+        if len(groups) == 1 and not groups[0]:
+            groups = [list(kv_caches.values())]
+        self.groups = groups
+        self.caches = [c for g in groups for c in g]
         self.page = page_shape(self.caches)
         # Host caches with contiguous pages are loaded straight from the slots, verified in place
         # (one copy); others (CUDA, strided pages) through a scratch buffer and a scatter.
         self._pages = None
         if all(c.device.type == "cpu" and c.is_contiguous() for c in self.caches):
-            self._pages = [c.view(torch.uint8).numpy().reshape(c.shape[0], -1) for c in self.caches]
+            self._pages = [[c.view(torch.uint8).numpy().reshape(c.shape[0], -1) for c in g] for g in groups]
+        layers = len(groups[0])
         # The pool must hold this rank's pages: checked on every connection (a pool that does not
         # fit keeps the link down, every transfer a miss, with the fix in vLLM's log).
         dtype = str(self.caches[0].dtype).removeprefix("torch.")
         page_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
-        self.link.spec = pages_spec(self.s.pool, self.ns, len(self.caches), page_bytes, dtype,
-                                    self.caches[0].element_size())
+        self.link.spec = pages_spec(self.s.pool, self.ns, layers, page_bytes, dtype, self.caches[0].element_size())
         ns = self.ns
         self.link.register(ManifestEntry(
             namespace=namespace_id(ns), engine="vllm-connector", engine_version=ns.engine_version, model=ns.model,
             weights={**json.loads(ns.weights), "revision": ns.revision},
-            page={"page_bytes": page_bytes, "layers": len(self.caches), "block_tokens": ns.block_size, "dtype": dtype,
-                  "kv_layout": ns.kv_layout, "shape": list(self.page)},
-            extra={"tp_size": self.tp[1], "pp_size": self.pp[1], "groups": 1}))
-        log.info("kvtier: %d layers registered, page %s %s on %s", len(self.caches), self.page,
-                 self.caches[0].dtype, self.caches[0].device)
+            page={"page_bytes": page_bytes, "layers": layers, "block_tokens": ns.block_size, "dtype": dtype,
+                  "kv_layout": ns.kv_layout, "shape": list(self.page), "groups": ns.groups.split(",")},
+            extra={"tp_size": self.tp[1], "pp_size": self.pp[1], "groups": len(groups)}))
+        log.info("kvtier: %d layers in %d KV-cache group(s) (%s) registered, page %s %s on %s", len(self.caches),
+                 len(groups), ns.groups, self.page, self.caches[0].dtype, self.caches[0].device)
 
     def _usable(self, client) -> object | None:
         """The pool, once vLLM's pages are known (the link checked that it fits them)."""
         return client.pool(self.s.pool) if self.caches else None
 
-    def chain_keys(self, client, tr: BlockTransfer) -> list[bytes]:
-        """This rank's keys for every block of the transfer's tokens, from the first."""
-        salt = rank_salt(self.ns, self.tp, self.pp, tr.cache_salt)
+    def chain_keys(self, client, tr: BlockTransfer, group: int) -> list[bytes]:
+        """This rank's keys of one group for every block of the transfer's tokens, from the first."""
+        salt = rank_salt(self.ns, self.tp, self.pp, tr.cache_salt, group)
         return client.block_keys(self.s.pool, tr.token_ids, salt=salt, lora_id=tr.lora_name)
 
     def _buffer(self, pool, n: int) -> torch.Tensor:
@@ -97,15 +105,17 @@ class WorkerMover:
             buf = self._scratch = torch.empty(shape, dtype=pool.dtype, device=self.caches[0].device)
         return buf[:n]
 
-    def _copy_pages_out(self, b: int, dst) -> None:
-        """vLLM block b's page of every layer into dst (uint8, block_bytes: a staging slot)."""
+    def _copy_pages_out(self, g: int, b: int, dst) -> None:
+        """vLLM block b's page of every layer of group g into dst (uint8, block_bytes: a staging slot)."""
         if self._pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
-            step = self._pages[0].shape[1]
-            for layer, p in enumerate(self._pages):
+            pages = self._pages[g]
+            step = pages[0].shape[1]
+            for layer, p in enumerate(pages):
                 np.copyto(dst[layer * step:(layer + 1) * step], p[b])
         else:
-            view = torch.from_numpy(dst).view(self.caches[0].dtype).view(len(self.caches), *self.page)
-            copy_block(self.caches, b, view)
+            caches = self.groups[g]
+            view = torch.from_numpy(dst).view(caches[0].dtype).view(len(caches), *self.page)
+            copy_block(caches, b, view)
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
@@ -116,30 +126,33 @@ class WorkerMover:
         """Read each transfer's blocks into vLLM's pages. Returns the block ids not loaded."""
         failed: set[int] = set()
         for tr in transfers:
-            n = self.link.guard("load", 0, lambda c, tr=tr: self._load_one(c, tr))
-            self.link.counters.add("loaded_blocks", n)
-            if n < len(tr.block_ids):
-                self.link.counters.add("load_failed_blocks", len(tr.block_ids) - n)
-                failed.update(tr.block_ids[n:])
+            lost: list[int] = []
+            for part in tr.parts:
+                n = 0 if tr.refused else self.link.guard("load", 0, lambda c, tr=tr, p=part: self._load_one(c, tr, p))
+                self.link.counters.add("loaded_blocks", n)
+                lost += part.block_ids[n:]
+            if lost:
+                self.link.counters.add("load_failed_blocks", len(lost))
+                failed.update(lost)
                 log.warning("kvtier: request %s loaded %d of %d planned blocks; vLLM recomputes the rest",
-                            tr.req_id, n, len(tr.block_ids))
+                            tr.req_id, tr.blocks - len(lost), tr.blocks)
         return failed
 
-    def _load_one(self, client, tr: BlockTransfer) -> int:
+    def _load_one(self, client, tr: BlockTransfer, part: GroupPart) -> int:
         pool = self._usable(client)
         if pool is None:
             return 0
-        keys = self.chain_keys(client, tr)[tr.first:tr.first + len(tr.block_ids)]
+        keys = self.chain_keys(client, tr, part.group)[part.first:part.first + len(part.block_ids)]
         if self._pages is not None:
-            return self._load_in_place(client, keys, tr.block_ids)
+            return self._load_in_place(client, keys, part.block_ids, self._pages[part.group])
+        caches = self.groups[part.group]
         buf = self._buffer(pool, len(keys))
         n = client.get(self.s.pool, keys, buf, timeout=self.s.call_timeout_s)
         if n:
-            scatter_blocks(block_view(buf, len(self.caches), self.page), self.caches, self._ids(tr.block_ids[:n]))
+            scatter_blocks(block_view(buf, len(caches), self.page), caches, self._ids(part.block_ids[:n]))
         return n
 
-    def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int]) -> int:
-        pages = self._pages
+    def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int], pages: list[np.ndarray]) -> int:
         step = pages[0].shape[1]
         # A timed-out call returns while its copy threads may still run: past that point they
         # must not write into pages vLLM will recompute (a page in flight is one 128 KiB copy).
@@ -166,27 +179,29 @@ class WorkerMover:
 
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
         for tr in transfers:
-            self.link.guard("save", None, lambda c, tr=tr: self._save_one(c, tr))
+            for part in tr.parts:
+                self.link.guard("save", None, lambda c, tr=tr, p=part: self._save_one(c, tr, p))
 
-    def _save_one(self, client, tr: BlockTransfer) -> None:
+    def _save_one(self, client, tr: BlockTransfer, part: GroupPart) -> None:
         pool = self._usable(client)
         if pool is None:
             return
         c = self.link.counters
-        keys = self.chain_keys(client, tr)
-        todo = keys[tr.first:tr.first + len(tr.block_ids)]
+        keys = self.chain_keys(client, tr, part.group)
+        todo = keys[part.first:part.first + len(part.block_ids)]
         skip = client.lookup(self.s.pool, todo).length  # already on this node: nothing to hand over
         c.add("save_skipped_blocks", skip)
-        todo, ids = todo[skip:], tr.block_ids[skip:]
+        todo, ids = todo[skip:], part.block_ids[skip:]
         if not todo:
             return
-        start = tr.first + skip
+        start = part.first + skip
+        g = part.group
         bs = self.ns.block_size
         toks = list(tr.token_ids[start * bs:(start + len(todo)) * bs])  # for routers' KV events
         # vLLM may free these pages once this step ends, so the bytes must be staged now: staging
         # slots the daemon has not drained yet are waited for, up to save_wait_s; what is still
         # not staged then is dropped and counted (a future miss, never an error).
-        done = self.link.put_with(client, todo, lambda i, dst: self._copy_pages_out(ids[i], dst),
+        done = self.link.put_with(client, todo, lambda i, dst: self._copy_pages_out(g, ids[i], dst),
                                   parent=keys[start - 1] if start else None, wait_s=self.s.save_wait_s,
                                   token_ids=toks if len(toks) == len(todo) * bs else None)
         c.add("saved_blocks", done)
