@@ -46,7 +46,8 @@ def key_of(cfg: Cfg, key: str = "ab" * 32, layout: str = "page_first", page_size
 def test_settings_defaults_and_sglang_keys_pass() -> None:
     s, unknown = HiCacheSettings.from_extra({"backend_name": "kvtier", "module_path": "m", "class_name": "C",
                                              "interface_v1": 1, "pool": "p", "remote": False})
-    assert (s.pool, s.remote, s.call_timeout_s, unknown) == ("p", False, 5.0, [])
+    assert (s.pool, s.remote, s.call_timeout_s, s.swa_pool, unknown) == ("p", False, 5.0, None, [])
+    assert HiCacheSettings.from_extra({"swa_pool": "p-swa"})[0].swa_pool == "p-swa"
 
 
 def test_settings_name_unknown_keys() -> None:
@@ -58,7 +59,8 @@ def test_settings_name_unknown_keys() -> None:
     ({"pool": ""}, "pool"), ({"pool": 3}, "pool"), ({"remote": "yes"}, "remote"),
     ({"call_timeout_s": 0}, "call_timeout_s"), ({"save_wait_s": float("nan")}, "save_wait_s"),
     ({"staging_blocks": 0}, "staging_blocks"), ({"staging_blocks": 2.5}, "staging_blocks"),
-    ({"runtime_dir": ""}, "runtime_dir"), ({"retry_s": True}, "retry_s"),
+    ({"runtime_dir": ""}, "runtime_dir"), ({"retry_s": True}, "retry_s"), ({"swa_pool": ""}, "swa_pool"),
+    ({"swa_pool": 7}, "swa_pool"),
 ])
 def test_settings_refuse_bad_values_by_name(extra: dict, word: str) -> None:
     with pytest.raises(ConfigError, match=word):

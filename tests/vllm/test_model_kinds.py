@@ -36,6 +36,9 @@ def test_attention_kinds_are_taken_alone_or_together_each_with_its_rule():
     # MLA: one latent page per layer and block (a FullAttentionSpec whose pages hold no V).
     assert check_kv_groups(config(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
                                                    dtype=torch.bfloat16))) == [GroupRule(MLA, 16)]
+    # Sliding window on every layer (Mistral-style): one group, only its window is loaded.
+    assert check_kv_groups(config(SlidingWindowSpec(**ATTN, sliding_window=4096))) == [
+        GroupRule(SLIDING, 32, window=4096)]
     # vLLM's hybrid manager on: one group per kind, a sliding group keeps only its window.
     assert check_kv_groups(config(FullAttentionSpec(**ATTN), SlidingWindowSpec(**ATTN, sliding_window=64))) == [
         GroupRule(FULL, 32), GroupRule(SLIDING, 32, window=64)]

@@ -14,6 +14,8 @@ a key namespaced by the weights' identity, parallel and host layout (hicache_key
   `save_wait_s` for room); the daemon verifies them and stores them in its tiers (and Redis, by its
   policy). A page already on this node is not sent again. MLA pages are written only by
   `is_storage_writer`.
+- hybrid SWA models (the v2 calls): the sliding-window pool's pages beside the KV pages, in the
+  pool `swa_pool` (hicache_sidecars.py); other sidecar pools are not stored (a miss).
 - clear: bumps the namespace's epoch in Redis (part of every key): its pages are never found
   again, on any node, and age out; nothing other namespaces share is deleted.
 - Best effort: every call goes through the link's guard (integrations/link.py): a daemon down,
@@ -31,7 +33,7 @@ from typing import Any, TypeVar
 
 import sglang
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolTransferResult
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvtier.client import ReadCounts, SyncClient
 from kvtier.client.discovery import library_logger
@@ -42,6 +44,7 @@ from kvtier.integrations.sglang.hicache_config import ConfigError, HiCacheSettin
 from kvtier.integrations.sglang.hicache_identity import backend_weights
 from kvtier.integrations.sglang.hicache_namespace import EpochUnknown, PageNamespace
 from kvtier.integrations.sglang.hicache_pool import page_spec
+from kvtier.integrations.sglang.hicache_sidecars import SidecarCalls
 
 T = TypeVar("T")
 
@@ -58,7 +61,7 @@ COUNTERS = (  # besides the link's own (LINK_COUNTERS); kvtier_stats adds daemon
 METRICS_KEPT = 1024  # per-call figures kept for get_stats between two reads
 
 
-class KvtierHiCacheStorage(HiCacheStorage):
+class KvtierHiCacheStorage(SidecarCalls, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.settings, unknown = HiCacheSettings.from_extra(storage_config.extra_config)
@@ -73,6 +76,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         self.counters = Counters(LINK_COUNTERS + COUNTERS)
         self.writer = bool(storage_config.is_storage_writer)
         self.mem_pool_host: Any = None
+        self.registered_pools: dict[Any, Any] = {}
+        self._sidecar_spec: dict[str, Any] = {}  # stored sidecar pool name -> its kvtier pool's spec
         st = self.settings
         self.ns = PageNamespace(storage_config, st.pool, st.salt, self.warn,
                                 backend_weights(storage_config, st, self.log))
@@ -154,12 +159,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # --- get ---------------------------------------------------------------------------------------
 
-    def _read(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8]) -> int:
+    def _read(self, client: SyncClient, kk: list[bytes], dst: list[pages.U8], pool: str | None = None) -> int:
         """Blocks kk -> the byte views dst (flat or page-shaped); how many leading ones landed,
         verified: from shared memory, and with `remote` the rest of the run from Redis (straight
         into a contiguous page)."""
         got = ReadCounts()  # this call's own figures: other threads share the client
-        n = client.get_with(self.settings.pool, kk, lambda i, src: pages.copy_in(dst[i], src),
+        n = client.get_with(pool or self.settings.pool, kk, lambda i, src: pages.copy_in(dst[i], src),
                             lambda i: pages.digest(dst[i]), remote=self.settings.remote,
                             land=lambda i: dst[i].reshape(-1) if dst[i].flags.c_contiguous else None,
                             counts=got, timeout=self.settings.call_timeout_s)
@@ -217,8 +222,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         return self._guard("batch_get_v1", misses, run)
 
-    def _host_views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[pages.U8]:
-        host = self.mem_pool_host
+    def _host_views(self, keys: Sequence[str], host_indices: torch.Tensor, host: Any = None) -> list[pages.U8]:
+        host = host if host is not None else self.mem_pool_host
         if host is None:
             raise ValueError("the zero-copy calls need SGLang's host pool (register_mem_pool_host first)")
         ps = int(host.page_size)
@@ -230,13 +235,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
     # --- set ---------------------------------------------------------------------------------------
 
     def _write(self, client: SyncClient, kk: list[bytes], fill: Callable[[int, pages.U8], object],
-               parent: bytes | None) -> int:
+               parent: bytes | None, pool: str | None = None) -> int:
         """Hand blocks to the daemon; how many leading ones were taken (already here counts)."""
-        done = client.lookup(self.settings.pool, kk).length  # content-addressed: a page here is not sent again
+        pool = pool or self.settings.pool
+        done = client.lookup(pool, kk).length  # content-addressed: a page here is not sent again
         self.counters.add("pages_deduped", done)
         if done < len(kk):
             staged = self.link.put_with(client, kk[done:], lambda i, dst: fill(done + i, dst),
-                                        parent=kk[done - 1] if done else parent, wait_s=self.settings.save_wait_s)
+                                        parent=kk[done - 1] if done else parent, wait_s=self.settings.save_wait_s,
+                                        pool=pool)
             self.counters.add("pages_written", staged)
             done += staged
         self.counters.add("pages_dropped", len(kk) - done)
@@ -285,23 +292,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         return self._guard("batch_set_v1", [False] * len(keys), run)
 
-    # --- hybrid models' sidecar pools (not stored) ----------------------------------------------------
+    # --- hybrid models' sidecar pools (hicache_sidecars.py) ---------------------------------------------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if str(host_pool_name) != "kv":
-            self.warn.warning("sglang_hicache.sidecar_pool_not_stored", pool_name=str(host_pool_name),
-                              detail="kvtier stores KV pages only: this model's prefixes get no L3 hits")
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        """Multi-pool (hybrid models: Mamba, SWA, DSA): not stored by kvtier, so nothing is found."""
-        return PoolTransferResult(0, {str(t.name): 0 for t in pool_transfers or []})
-
-    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
-
-    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        self._register_sidecar(host_pool, str(host_pool_name))
 
     # --- stats, clear, close -------------------------------------------------------------------------
 

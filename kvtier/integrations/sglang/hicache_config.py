@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class HiCacheSettings:
     pool: str = "default"  # the kvtier pool whose blocks are SGLang's pages
+    swa_pool: str | None = None  # hybrid SWA models: the kvtier pool whose blocks are the SWA pool's pages
     runtime_dir: str | None = None  # the daemon's runtime dir; default: KVTIER__NODE__RUNTIME_DIR or the usual place
     remote: bool = True  # read pages this node lacks straight from Redis (read-through)
     salt: str | None = None  # mixed into every key: deployments that must never share pages
@@ -48,7 +49,7 @@ class HiCacheSettings:
                 continue
             v = extra[name]
             default = f.default
-            if name in ("runtime_dir", "salt", "model_path", "weights_id"):
+            if name in ("runtime_dir", "salt", "model_path", "weights_id", "swa_pool"):
                 if v is not None and (not isinstance(v, str) or not v):
                     raise ConfigError(f"kvtier extra config: {name!r} must be a non-empty string, got {v!r}")
             elif name == "pool":
