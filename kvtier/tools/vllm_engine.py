@@ -72,6 +72,27 @@ def make_mla_model(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+def make_eagle_draft(path: str | Path, seed: int = 0) -> Path:
+    """A random EAGLE draft for the tiny Llama (vLLM's EagleLlamaForCausalLM: `fc` over the token
+    embedding and the target's hidden state, one decoder layer without its input norm; the
+    target's embedding and lm_head are shared). Speculation with it is lossless: the target
+    verifies every drafted token."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 1}, torch_dtype="float32", architectures=["LlamaForCausalLM"])
+    layer = {k.removeprefix("model."): v.contiguous() for k, v in LlamaForCausalLM(cfg).state_dict().items()
+             if k.startswith("model.layers.0.") and "input_layernorm" not in k}
+    layer["fc.weight"] = torch.randn(TINY["hidden_size"], 2 * TINY["hidden_size"]) * 0.02
+    save_file(layer, str(path / "model.safetensors"))
+    cfg.save_pretrained(path)
+    return path
+
+
 def serve(args: argparse.Namespace) -> None:
     # Answers go to the real stdout; everything else that writes to fd 1 (vLLM logs to stdout)
     # is sent to stderr, so a driver reads nothing but answers.

@@ -109,3 +109,29 @@ def test_a_malformed_safetensors_header_is_read_as_bytes_not_believed(tmp_path):
     assert fp.files == 3 and fp.digest.startswith("content:")
     (d / "b.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"\x01" * 16)
     assert content_fingerprint(d).digest != fp.digest  # still content: the bytes decide
+
+
+def _vllm(target, draft=None):
+    """The parts of a VllmConfig the identity reads (model_identity.py takes them duck-typed)."""
+    from types import SimpleNamespace as NS
+
+    def model(path):
+        return NS(model=str(path), revision=None, quantization=None, hf_config=NS(to_dict=lambda: dict(CONFIG)))
+
+    spec = None if draft is None else NS(draft_model_config=model(draft))
+    return NS(model_config=model(target), speculative_config=spec, load_config=NS(download_dir=None),
+              cache_config=NS(cache_dtype="auto"))
+
+
+def test_an_eagle_draft_with_weights_of_its_own_is_part_of_the_identity(tmp_path):
+    from kvtier.integrations.vllm.model_identity import draft_identity
+
+    target = write_checkpoint(tmp_path / "target", seed=1)
+    d1, d2 = write_checkpoint(tmp_path / "d1", seed=2), write_checkpoint(tmp_path / "d2", seed=3)
+    assert draft_identity(_vllm(target)) is None  # no speculation, or n-gram
+    assert draft_identity(_vllm(target, target)) is None  # MTP heads in the target's own checkpoint
+    one, other = draft_identity(_vllm(target, d1)), draft_identity(_vllm(target, d2))
+    assert one is not None and other is not None and one.key_fields() != other.key_fields()
+    assert draft_identity(_vllm(target, copy_checkpoint(d1, tmp_path / "copy"))).key_fields() == one.key_fields()
+    with pytest.raises(WeightsUnknown, match="draft model"):
+        draft_identity(_vllm(target, tmp_path / "nowhere"))

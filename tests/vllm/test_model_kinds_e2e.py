@@ -1,7 +1,7 @@
 """The models of 2026 on real vLLM engines (CPU build): a hybrid of sliding-window and
-full-attention layers on two nodes, and an MLA model (DeepSeek-V2 style), with kvtier hits
-counted and greedy output identical to what the same engine computes without kvtier. (n-gram
-speculative decoding: test_connector_e2e.py.)
+full-attention layers on two nodes, an MLA model (DeepSeek-V2 style) and EAGLE speculative
+decoding, with kvtier hits counted and greedy output identical to what the same engine computes
+without kvtier. (n-gram speculative decoding: test_connector_e2e.py.)
 
 The hybrid: the tiny Llama with layer_types = [sliding, full] and a 64-token window (a 360-token
 prompt reaches past it). The connector supports vLLM's hybrid KV-cache manager (SupportsHMA), so
@@ -14,6 +14,8 @@ pool's manifest) before a second node asks for them.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import redis
 
@@ -22,17 +24,36 @@ from kvtier.core.manifest import ManifestEntry, manifest_key
 from kvtier.integrations.namespaced_keys import namespace_bytes
 from kvtier.integrations.vllm.connector_config import KeyNamespace, namespace_id, rank_salt
 from kvtier.store.redis_blocks import redis_block_key
-from kvtier.tools.vllm_engine import TINY, EngineProcess, connector_config, make_mla_model, make_model
+from kvtier.tools.vllm_engine import (
+    TINY,
+    EngineProcess,
+    connector_config,
+    make_eagle_draft,
+    make_mla_model,
+    make_model,
+)
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, PROMPTS, pool_toml
 
 POOL_HYBRID = "tiny-hybrid"  # one layer per KV-cache group: a block is one group's page
+POOL_EAGLE = "tiny-eagle"  # the target's 2 layers and the EAGLE drafter's 1, in one KV-cache group
 POOL_MLA = "tiny-mla"  # 2 layers of one 576-float latent per token, 16-token blocks: head_dim 288 gives the bytes
 MLA_BS = 16
 
-pytestmark = pytest.mark.timeout(900)  # three engine starts
+pytestmark = pytest.mark.timeout(900)  # four engine starts
 
 P1, Q1, Q2 = PROMPTS["P1"], PROMPTS["Q1"], PROMPTS["Q2"]
+
+
+def resident(node, pool: str, n: int) -> bool:
+    """n blocks placed in the node's tiers (handed over, `puts`, is not yet findable)."""
+    tiers = node.pool_stats(pool).get("tiers", {})
+    return sum(tiers.get(t, {}).get("blocks", 0) for t in ("gpu", "cpu")) >= n
+
+
+def namespaces(log: str) -> set[str]:
+    """The namespaces the connector's halves logged: one, or every lookup would miss."""
+    return set(re.findall(r"kvtier: (?:scheduler|worker) keys in namespace (\w+)", log))
 
 
 def stored_in_redis(node, pool: str, n: int) -> bool:
@@ -59,8 +80,8 @@ def group_keys(client: SyncClient, ns: KeyNamespace, prompt: list[int], group: i
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory, node_factory, module_redis) -> dict:
-    pools = pool_toml(POOL_HYBRID, layers=1)
+def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
+    pools = pool_toml(POOL_HYBRID, layers=1) + pool_toml(POOL_EAGLE, layers=3)
     a, b = node_factory("vllm-kinds-a", pools=pools), node_factory("vllm-kinds-b", pools=pools)
     logs = tmp_path_factory.mktemp("engines")
     hybrid = make_model(tmp_path_factory.mktemp("hybrid"), seed=3,
@@ -93,12 +114,21 @@ def record(tmp_path_factory, node_factory, module_redis) -> dict:
             rec[f"hybrid_b_{name}"] = e.generate(prompt)
         rec["hybrid_b_log"] = e.log_text()
     rec["b_before"], rec["b_after"] = b_before, b.pool_stats(POOL_HYBRID)
+    eagle = {"method": "eagle", "model": str(make_eagle_draft(tmp_path_factory.mktemp("eagle"))),
+             "num_speculative_tokens": 2}
+    with EngineProcess(tiny_model, logs / "eagle.log", connector_config(POOL_EAGLE, b.runtime_dir),
+                       prefix_caching=False, speculative_config=eagle) as e:
+        rec["eagle_first"] = e.generate(P1)
+        wait_until(lambda: resident(b, POOL_EAGLE, 11), timeout=30, message="the EAGLE engine's 11 blocks stored")
+        rec["eagle_repeat"] = e.generate(P1)
+        rec["eagle_log"] = e.log_text()
+    rec["eagle_stats"] = b.pool_stats(POOL_EAGLE)
+    rec["eagle_manifest"] = [ManifestEntry.from_json(v) for v in r.hgetall(manifest_key(POOL_EAGLE)).values()]
     mla_node = node_factory("vllm-mla", pools=pool_toml(POOL_MLA, kv_heads=1, head_dim=288, block_tokens=MLA_BS))
     mla = make_mla_model(tmp_path_factory.mktemp("mla"))
     with EngineProcess(mla, logs / "mla.log", connector_config(POOL_MLA, mla_node.runtime_dir)) as e:
         rec["mla_first"] = e.generate(P1)
-        wait_until(lambda: mla_node.pool_stats(POOL_MLA).get("puts", 0) >= 22, timeout=30,
-                   message="the MLA model's 22 blocks stored")
+        wait_until(lambda: resident(mla_node, POOL_MLA, 22), timeout=30, message="the MLA model's 22 blocks stored")
         rec["mla_repeat"] = e.generate(P1)
         rec["mla_log"] = e.log_text()
     rec["mla_stats"] = mla_node.pool_stats(POOL_MLA)
@@ -109,6 +139,7 @@ def test_a_hybrid_runs_with_vllms_hybrid_manager_on_and_reuses_its_prefix_on_the
     assert record["groups"] == "sliding:64:0,full"  # two groups: the hybrid manager is on
     assert "Hybrid KV cache manager is disabled" not in record["hybrid_log"]
     assert "kvtier: connector disabled" not in record["hybrid_log"]
+    assert len(namespaces(record["hybrid_log"])) == 1
     assert record["hybrid_p1"]["cached"] == 0
     assert record["hybrid_repeat"]["cached"] == 11 * BS
     assert record["hybrid_repeat"]["tokens"] == record["hybrid_p1"]["tokens"]
@@ -133,11 +164,27 @@ def test_a_prefix_counts_only_where_every_groups_part_is_stored(record):
     assert "loaded 0 of" not in record["hybrid_b_log"]  # planned loads were whole: nothing fell back
 
 
+def test_eagle_speculation_reloads_the_prefix_with_the_output_of_no_speculation(record, baseline):
+    """The drafter's layer is in the target's KV-cache group (3 layers a block) and its weights in
+    the key; speculation is lossless, so every answer is the plain engine's (no kvtier, no
+    speculation)."""
+    assert "kvtier: 3 layers in 1 KV-cache group(s)" in record["eagle_log"]
+    assert len(namespaces(record["eagle_log"])) == 1
+    assert "kvtier: connector disabled" not in record["eagle_log"]
+    assert record["eagle_first"]["cached"] == 0
+    assert record["eagle_repeat"]["cached"] == 11 * BS
+    assert record["eagle_first"]["tokens"] == record["eagle_repeat"]["tokens"] == baseline["P1"]
+    assert record["eagle_stats"]["hits"] >= 11
+    [entry] = record["eagle_manifest"]
+    assert entry.weights["draft"]["weights"].startswith("content:")
+
+
 def test_an_mla_model_saves_and_loads_its_latent_pages(record):
     """vLLM's CPU build turns its own prefix cache off for MLA, so the repeat's prefix can only
     come from kvtier: 22 blocks of 16 tokens."""
     assert "MLA is enabled on a non-GPU platform" in record["mla_log"]
     assert "kvtier: connector disabled" not in record["mla_log"]
+    assert len(namespaces(record["mla_log"])) == 1
     assert record["mla_first"]["cached"] == 0
     assert record["mla_repeat"]["cached"] == 22 * MLA_BS
     assert record["mla_repeat"]["tokens"] == record["mla_first"]["tokens"]

@@ -28,12 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from kvtier.integrations.namespaced_keys import namespace_bytes
-from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id
 from kvtier.integrations.vllm.connector_link import connector_link
 from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
 from kvtier.integrations.vllm.connector_worker import WorkerMover
 from kvtier.integrations.vllm.kv_groups import FULL, MLA, SLIDING, GroupRule, describe_groups
-from kvtier.integrations.vllm.model_identity import connector_identity
+from kvtier.integrations.vllm.model_identity import connector_identity, draft_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,9 +114,13 @@ def key_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     model = vllm_config.model_config
     served = model.served_model_name
     identity = connector_identity(vllm_config, weights_id, log=lambda line: log.info("kvtier: %s", line))
+    weights = identity.key_fields()
+    draft = draft_identity(vllm_config, log=lambda line: log.info("kvtier: draft model %s", line))
+    if draft is not None:  # EAGLE: the drafter's layers are in every block too
+        weights["draft"] = draft.key_fields()
     return KeyNamespace(
         model=str(served[0] if isinstance(served, (list, tuple)) else served or model.model),
-        weights=namespace_bytes(identity.key_fields()).decode(),
+        weights=namespace_bytes(weights).decode(),
         engine_version=".".join(vllm.__version__.split(".")[:2]),
         block_size=int(spec.block_size),
         layers=len(groups[0].layer_names),
@@ -149,6 +153,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         except ValueError as e:
             log.error("kvtier: connector disabled, every lookup is a miss: %s", e)
             return
+        # Both halves must key alike (a difference is every lookup a miss): their logs say so.
+        log.info("kvtier: %s keys in namespace %s (groups %s)", role.name.lower(), namespace_id(ns), ns.groups)
         par = vllm_config.parallel_config
         tp_size, pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         if role == KVConnectorRole.SCHEDULER:

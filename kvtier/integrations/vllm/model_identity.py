@@ -44,6 +44,26 @@ def connector_identity(vllm_config: Any, weights_id: str | None,
                     revision=commit, log=log)
 
 
+def draft_identity(vllm_config: Any, log: Callable[[str], None] | None = None) -> WeightsIdentity | None:
+    """The identity of a speculative draft model with weights of its own (EAGLE, a draft model):
+    its layers' KV pages are stored with the target's, so they are part of the key. None for
+    n-gram speculation, MTP heads inside the target's checkpoint, or no speculation."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    dmc = getattr(spec, "draft_model_config", None)
+    if dmc is None or str(dmc.model) == str(vllm_config.model_config.model):
+        return None
+    commit = _commit(getattr(dmc, "revision", None))
+    directory = weights_directory(str(dmc.model), commit, getattr(vllm_config.load_config, "download_dir", None))
+    if directory is None:
+        raise WeightsUnknown(f"the draft model's weights {dmc.model!r} are neither a local directory nor in the "
+                             "Hugging Face cache")
+    # The checkpoint's config, not vLLM's live one: the drafter's model class writes into that
+    # (draft_vocab_size) in the worker only, and both halves must key alike.
+    return identify(weights_id=None, directory=directory, config=read_config(directory),
+                    quantization=getattr(dmc, "quantization", None),
+                    kv_cache_dtype=vllm_config.cache_config.cache_dtype, revision=commit, log=log)
+
+
 def tier_identity(model: str, kv_dtype: str, weights_id: str | None,
                   log: Callable[[str], None] | None = None) -> WeightsIdentity:
     """The identity a secondary tier can establish: it sees only OffloadingConfig.model (the
