@@ -2,10 +2,12 @@
 against a real daemon: a hybrid model's two KV-cache groups (sliding-window and full), in fp8
 pages, which vLLM's CPU build cannot run on this host. A load moves only what each group needs
 and never vLLM's null block; a prefix whose sliding part is missing is a shorter hit, never a
-load without it. The engines themselves: tests/vllm/test_model_kinds_e2e.py."""
+load without it. An engine also finds its own saves while the daemon is still placing them. The engines
+themselves: tests/vllm/test_model_kinds_e2e.py."""
 
 from __future__ import annotations
 
+import signal
 from types import SimpleNamespace as NS
 
 import pytest
@@ -30,6 +32,7 @@ NS_ = KeyNamespace(model="m", weights='{"weights":"test-weights"}', engine_versi
 RANKS = [((0, 1), (0, 1))]
 PROMPT_A = [3 + (i * 7) % 500 for i in range(6 * BS + 5)]  # six full blocks and a partial one
 PROMPT_C = [3 + (i * 11) % 500 for i in range(6 * BS + 5)]
+PROMPT_E = [3 + (i * 13) % 500 for i in range(6 * BS + 5)]
 
 
 def request(rid: str, prompt: list[int]) -> NS:
@@ -57,7 +60,7 @@ def parts(daemon_factory):
     mover = WorkerMover(settings, NS_, link, (0, 1), (0, 1), [["l0"], ["l1"]])
     mover.register(caches)
     wait_until(link.client, timeout=10, message="the link connects")
-    yield settings, link, mover, caches
+    yield settings, link, mover, caches, d
     link.close()
 
 
@@ -66,7 +69,7 @@ def planner(settings, link) -> SchedulerPlanner:
 
 
 def test_a_hybrid_prefix_loads_each_groups_part_and_only_the_window(parts):
-    settings, link, mover, caches = parts
+    settings, link, mover, caches, _ = parts
     a = planner(settings, link)
     assert a.matched_tokens(request("a", PROMPT_A), 0) == 0
     plan = a.build(step(new=[("a", ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), len(PROMPT_A))]))
@@ -94,7 +97,7 @@ def test_a_hybrid_prefix_loads_each_groups_part_and_only_the_window(parts):
 
 
 def test_a_missing_sliding_part_shortens_the_hit_to_a_whole_window(parts):
-    settings, link, mover, caches = parts
+    settings, link, mover, caches, _ = parts
     c = planner(settings, link)
     assert c.matched_tokens(request("c", PROMPT_C), 0) == 0
     plan = c.build(step(new=[("c", ([1, 2, 3, 4, 5], [11, 12, 13, 14, 15]), 5 * BS)]))
@@ -112,3 +115,26 @@ def test_a_missing_sliding_part_shortens_the_hit_to_a_whole_window(parts):
     wait_until(lambda: d.matched_tokens(request("d", PROMPT_C), 0) == 5 * BS, timeout=10,
                message="a hit of five blocks, not six")
     assert d.matched_tokens(request("d", PROMPT_C), 0) == 5 * BS
+
+
+def test_an_engine_waits_for_its_own_saves_instead_of_missing_them(parts):
+    """Read your writes: the daemon is stopped (SIGSTOP) after the save is staged, so nothing is
+    placed. The same engine's next request with that prefix waits (None: vLLM asks again next
+    step) instead of computing it all; another engine, which saved nothing, misses at once."""
+    settings, link, mover, caches, d = parts
+    e = planner(settings, link)
+    assert e.matched_tokens(request("e1", PROMPT_E), 0) == 0
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        plan = e.build(step(new=[("e1", ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), len(PROMPT_E))]))
+        mover.save(plan.saves)
+        assert link.counters.snapshot()["saved_blocks"] == 12  # staged, both groups
+        assert e.matched_tokens(request("e2", PROMPT_E), 0) is None
+        assert e.matched_tokens(request("e2", PROMPT_E), 0) is None  # still landing: asked again
+        assert planner(settings, link).matched_tokens(request("x", PROMPT_E), 0) == 0
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: e.matched_tokens(request("e2", PROMPT_E), 0) == 6 * BS, timeout=10,
+               message="the whole prefix once the daemon placed it")
+    assert link.counters.snapshot()["own_save_waits"] == 1
+    assert e.own == {}  # seen placed: forgotten

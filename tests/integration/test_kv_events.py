@@ -111,12 +111,18 @@ async def test_a_restart_clears_then_reannounces_what_the_arena_kept(daemon_fact
         assert await c.wait_resident("t", keys, timeout=10)
     d.stop(10)
     d.start()
-    msgs = replay(rep, 0)
+    want = {block_hash(k) for k in keys}
+
+    def reannounced():
+        """The replay once it names the kept blocks (READY does not wait for the arena's scan)."""
+        msgs = replay(rep, 0)
+        evs = [e for _, _, p in msgs for e in msgpack.unpackb(p)[1]]
+        kept = {h for e in evs[1:] if e["type"] == "BlockStored" for h in e["block_hashes"]}
+        return (msgs, evs) if want <= kept else None
+
+    msgs, evs = wait_until(reannounced, timeout=15, interval=0.1, message="the kept blocks announced again")
     assert msgs[0][1] == 0  # a new publisher: the sequence starts again
-    evs = [e for _, _, p in msgs for e in msgpack.unpackb(p)[1]]
     assert evs[0] == {"type": "AllBlocksCleared"}
-    kept = {h for e in evs[1:] if e["type"] == "BlockStored" for h in e["block_hashes"]}
-    assert {block_hash(k) for k in keys} <= kept
 
 
 def test_hostile_replay_requests_are_dropped_and_counted(daemon_factory, ipc) -> None:

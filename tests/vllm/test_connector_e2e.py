@@ -23,7 +23,8 @@ from tests.vllm.conftest import BS, POOL, PROMPTS
 
 pytestmark = pytest.mark.timeout(900)  # the module's fixtures start five engines
 
-P1, P2, P3 = PROMPTS["P1"], PROMPTS["P2"], PROMPTS["P3"]
+P1, P2, P3, Q1 = PROMPTS["P1"], PROMPTS["P2"], PROMPTS["P3"], PROMPTS["Q1"]
+R = Q1[:10 * BS] + PROMPTS["Q2"][:40]  # Q1's first 10 blocks and another tail
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -51,6 +52,10 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
         rec["a_after_save"] = a.pool_stats(POOL)
         rec["a1_repeat"] = e.generate(P1)
         rec["a1_other_salt"] = e.generate(P1, cache_salt="tenant-b")
+        # Read your writes: R shares Q1's first 10 blocks and comes right after Q1, no wait.
+        rec["a1_q1"] = e.generate(Q1)
+        rec["a1_r_next"] = e.generate(R)
+        rec["a1_r_computed"] = e.generate(R, cache_salt="tenant-c")  # what R is without kvtier's blocks
         rec["a1_log"] = e.log_text()
     # Node A, a second engine process: the shared prefix comes from the node's shared memory,
     # though this engine loads the weights from another directory, serves them under another
@@ -92,6 +97,16 @@ def test_exact_prompt_is_reused_within_one_engine(scenario, baseline):
     # 359 tokens may come from cache (vLLM computes the last one): 11 whole blocks = 352.
     assert scenario["a1_repeat"]["cached"] == 11 * BS
     assert scenario["a1_repeat"]["tokens"] == baseline["P1"]
+
+
+def test_the_next_request_finds_what_the_engine_just_saved(scenario):
+    """The engine's own saves are found by its next request, without a wait for the daemon (on this
+    small model the daemon has usually placed them by then; tests/integration/
+    test_connector_groups.py stops the daemon to show the lookup waits for them)."""
+    assert scenario["a1_q1"]["cached"] == 0
+    assert scenario["a1_r_next"]["cached"] == 10 * BS
+    assert scenario["a1_r_computed"]["cached"] == 0
+    assert scenario["a1_r_next"]["tokens"] == scenario["a1_r_computed"]["tokens"]
 
 
 def test_a_different_cache_salt_hits_nothing(scenario, baseline):

@@ -21,6 +21,7 @@ CONNECTOR_COUNTERS = (  # besides the link's own (LINK_COUNTERS), reported throu
     "lookups",  # requests the scheduler looked up
     "hit_blocks",  # blocks the scheduler promised vLLM it could load
     "redis_blocks",  # of those, blocks that were first prefetched from Redis
+    "own_save_waits",  # requests held a step or more for this engine's own saves to be placed
     "loaded_blocks",
     "load_failed_blocks",  # promised but not read (evicted meanwhile, failed verification, daemon gone)
     "saved_blocks",

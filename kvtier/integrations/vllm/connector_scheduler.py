@@ -5,7 +5,10 @@ Runs in vLLM's scheduler process, on its loop, so it never waits long:
 - Redis is asked once per request, bounded by `lookup_timeout_s`;
 - blocks that only Redis holds are prefetched into this node, and the request is held back
   (`None`: "ask again next step") until they are resident or `redis_wait_s` has passed; then
-  it is scheduled with whatever is resident.
+  it is scheduled with whatever is resident;
+- blocks this engine itself handed to kvtier and the daemon has not placed yet (read your own
+  writes) hold a request back the same way, for at most OWN_SAVE_LAND_S after their save was
+  planned (a save the worker had to drop is not waited for longer than that).
 Loads are synchronous for vLLM (the worker reads them before the forward pass). Saves are
 planned as blocks of the prompt become computed and staged by the worker in the same step, so
 a finished request's blocks are never held back (`request_finished` returns False).
@@ -26,6 +29,7 @@ from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyName
 from kvtier.integrations.vllm.kv_groups import GroupRule, complete_prefix, held_part
 
 REPORT_S = 60.0
+OWN_SAVE_LAND_S = 0.5  # how long a lookup waits for this engine's own save to be placed
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
 
@@ -73,6 +77,7 @@ class _Tracked:
     local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us
     keys: list[list[bytes]] | None = None  # per chain (rank-major, then group), as far as hashed
     asked_redis: bool = False
+    held_for_own: bool = False  # held back a step or more for this engine's own saves
     waiting_since: float | None = None  # prefetch from Redis asked at this time
     redis_target: int = 0
 
@@ -95,6 +100,10 @@ class SchedulerPlanner:
         self.clock = clock
         self.block_size = ns.block_size
         self.reqs: dict[str, _Tracked] = {}
+        # Keys of blocks this engine handed to kvtier and has not yet seen placed: until when a
+        # lookup waits for them (a save is staged in the step that computed it, then placed).
+        self.own: dict[bytes, float] = {}
+        self._next_prune = 0.0
         self._next_report = clock() + REPORT_S
         self._reported: dict[str, int] = {}
 
@@ -133,7 +142,12 @@ class SchedulerPlanner:
         found = self.link.guard("lookup", None, lambda c: self._resident(c, t, max_blocks))
         if found is None:
             return 0
-        local, keys = found
+        local, keys, landing = found
+        if landing > local:  # this engine's own saves are being placed: found a step later
+            if not t.held_for_own:
+                t.held_for_own = True
+                self.link.counters.add("own_save_waits")
+            return None
         if t.waiting_since is not None:  # a prefetch from Redis is on its way
             if local < t.redis_target and self.clock() - t.waiting_since < self.s.redis_wait_s:
                 return None
@@ -143,9 +157,9 @@ class SchedulerPlanner:
         t.saved = max(t.saved, local)
         return max(0, local * self.block_size - num_computed_tokens)
 
-    def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]]]:
-        """The leading blocks this node holds whole (every chain's part that a load needs), and
-        each chain's keys."""
+    def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]], int]:
+        """The leading blocks this node holds whole (every chain's part that a load needs), each
+        chain's keys, and how far that prefix reaches once this engine's own saves are placed."""
         keys = self._keys(client, t, max_blocks)
         present: list[list[bool]] = []
         for k, rule in zip(keys, self.chain_rules):
@@ -154,7 +168,16 @@ class SchedulerPlanner:
                 present.append([True] * run + [False] * (len(k) - run))
             else:
                 present.append(client.resident(self.s.pool, k))
-        return complete_prefix(self.chain_rules, present, max_blocks), keys
+        local = complete_prefix(self.chain_rules, present, max_blocks)
+        if not self.own:
+            return local, keys, local
+        now = self.clock()
+        for k, held in zip(keys, present):
+            for key, h in zip(k, held):
+                if h:
+                    self.own.pop(key, None)
+        landing = [[h or self.own.get(key, 0.0) > now for key, h in zip(k, held)] for k, held in zip(keys, present)]
+        return local, keys, complete_prefix(self.chain_rules, landing, max_blocks)
 
     def _prefetch(self, t: _Tracked, keys: list[list[bytes]], local: int) -> bool:
         """Ask Redis (one bounded round trip per chain, once per request) how far each chain's
@@ -253,9 +276,26 @@ class SchedulerPlanner:
             return
         upto = min(min(computed_after_step, len(t.prompt)) // bs, held)
         if upto > t.saved:
-            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name,
-                                            self._parts(t, t.saved, upto, load=False)))
+            parts = self._parts(t, t.saved, upto, load=False)
+            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name, parts))
+            if self.do_load:  # a producer-only engine never looks its saves up
+                self.link.guard("save plan", None, lambda c: self._note_own(c, t, upto, parts))
             t.saved = upto
+
+    def _note_own(self, client, t: _Tracked, upto: int, parts: tuple[GroupPart, ...]) -> None:
+        """Remember the keys a save hands over, so that the next lookups wait for them to land."""
+        keys = self._keys(client, t, upto)
+        now = self.clock()
+        until = now + OWN_SAVE_LAND_S
+        if now >= self._next_prune:  # forget what landed unseen or never will
+            self._next_prune = now + 1.0
+            self.own = {k: u for k, u in self.own.items() if u > now}
+        by_group = {p.group: p for p in parts}
+        for k, (_, _, g) in zip(keys, self.chains):
+            p = by_group.get(g)
+            if p is not None:
+                for key in k[p.first:p.first + len(p.block_ids)]:
+                    self.own[key] = until
 
     def finished(self, req_id: str) -> None:
         self.reqs.pop(req_id, None)
