@@ -29,12 +29,13 @@ PAGE = 16  # SGLang's --page-size = the pool's block_tokens
 LAYERS, HEADS, DIM = 2, 2, 32  # float16: 2 x 2 x 2 x 16 x 32 x 2 = 8 KiB per page
 
 
-def pool_toml(name: str = POOL, block_tokens: int = PAGE, cpu_blocks: int = 256) -> str:
+def pool_toml(name: str = POOL, block_tokens: int = PAGE, cpu_blocks: int = 256, layers: int = LAYERS,
+              heads: int = HEADS) -> str:
     return f"""
 [pools.{name}]
 model = "sgl-test"
-layers = {LAYERS}
-kv_heads = {HEADS}
+layers = {layers}
+kv_heads = {heads}
 head_dim = {DIM}
 block_tokens = {block_tokens}
 dtype = "float16"

@@ -21,18 +21,7 @@ SWA_LAYERS, SWA_HEADS = 3, 1  # float16: 2 x 3 x 1 x 16 x 32 x 2 = 6 KiB per pag
 
 
 def pools() -> str:
-    return pool_toml() + f"""
-[pools.{SWA_POOL}]
-model = "sgl-test"
-layers = {SWA_LAYERS}
-kv_heads = {SWA_HEADS}
-head_dim = {DIM}
-block_tokens = {PAGE}
-dtype = "float16"
-device = "cpu"
-gpu_blocks = 0
-cpu_blocks = 256
-"""
+    return pool_toml() + pool_toml(SWA_POOL, layers=SWA_LAYERS, heads=SWA_HEADS)
 
 
 def swa_host(pages: int = 8) -> MHAHostPool:

@@ -125,7 +125,10 @@ class SidecarCalls:
         hit = max(lengths, default=0)
         return PoolTransferResult(hit, {"kv": kv, **{str(t.name): hit for t in transfers}}, lengths)
 
-    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+    def _each(self, op: str, transfers: Sequence[Any],
+              move: Callable[[SyncClient, str, list[bytes], list[pages.U8]], int]) -> dict[str, list[bool]]:
+        """Each stored sidecar transfer's pages through `move(client, kvtier pool, keys, host
+        views)`, which returns how many leading pages it moved; other transfers are all False."""
         out: dict[str, list[bool]] = {}
         for t in transfers:
             name, keys = str(t.name), list(t.keys or [])
@@ -136,30 +139,18 @@ class SidecarCalls:
             def run(client: SyncClient, name: str = name, keys: list[str] = keys, t: Any = t) -> list[bool]:
                 pool = self._sidecar_pool(client, name)
                 views = self._host_views(keys, t.host_indices, self.registered_pools[name])
-                n = self._read(client, self._sidecar_keys(client, name, keys), views, pool)
+                n = move(client, pool, self._sidecar_keys(client, name, keys), views)
                 return [i < n for i in range(len(keys))]
 
-            out[name] = self._guard("batch_get_v2", out[name], run)
+            out[name] = self._guard(op, out[name], run)
         return out
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._each("batch_get_v2", transfers, lambda c, pool, kk, views: self._read(c, kk, views, pool))
 
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            name, keys = str(t.name), list(t.keys or [])
-            out[name] = [False] * len(keys)
-            if name not in self._sidecar_spec or not keys:
-                continue
-            if not self.writer:
-                out[name] = [True] * len(keys)
-                continue
-
-            def run(client: SyncClient, name: str = name, keys: list[str] = keys, t: Any = t) -> list[bool]:
-                pool = self._sidecar_pool(client, name)
-                views = self._host_views(keys, t.host_indices, self.registered_pools[name])
-                # Not a chain from the first page (a window): no parent.
-                n = self._write(client, self._sidecar_keys(client, name, keys),
-                                lambda i, dst: pages.copy_out(dst, views[i]), None, pool)
-                return [i < n for i in range(len(keys))]
-
-            out[name] = self._guard("batch_set_v2", out[name], run)
-        return out
+        if not self.writer:  # MLA: another rank writes these pages
+            return {str(t.name): [str(t.name) in self._sidecar_spec] * len(t.keys or []) for t in transfers}
+        # A window, not a chain from the first page: no parent.
+        return self._each("batch_set_v2", transfers, lambda c, pool, kk, views: self._write(
+            c, kk, lambda i, dst: pages.copy_out(dst, views[i]), None, pool))
