@@ -270,7 +270,9 @@ def run_demo(args) -> int:
                     stats = read_json(rdir / STATS)
                 except (OSError, ValueError):
                     continue
-                started = started or any(p["puts"] or p["hits"] or p["misses"] for p in stats["pools"].values())
+                # Puts handed over but not yet placed show as zeros: start with the first figure the line shows.
+                started = started or any(p["hits"] or p["misses"] or any(t["blocks"] for t in p["tiers"].values())
+                                         for p in stats["pools"].values())
                 if started:
                     print(progress_line(stats, t0), flush=True)
         except KeyboardInterrupt:
