@@ -206,7 +206,7 @@ def connector_copies(dev: torch.device, blocks: int = 24) -> None:
         return
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_link import DaemonLink
-    from kvtier.integrations.vllm.connector_scheduler import BlockTransfer
+    from kvtier.integrations.vllm.connector_transfers import BlockTransfer
     from kvtier.integrations.vllm.connector_worker import WorkerMover
     from kvtier.tools.bench_env import Env
 

@@ -49,7 +49,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
     from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks
     from kvtier.integrations.vllm.connector_link import connector_link
-    from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, GroupPart
+    from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart
     from kvtier.integrations.vllm.connector_worker import WorkerMover
 
     bs, dtype = layout["block_tokens"], TORCH_DTYPES[layout["dtype"]]

@@ -15,7 +15,8 @@ import torch
 
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace
 from kvtier.integrations.vllm.connector_link import connector_link
-from kvtier.integrations.vllm.connector_scheduler import GroupPart, SchedulerPlanner
+from kvtier.integrations.vllm.connector_scheduler import SchedulerPlanner
+from kvtier.integrations.vllm.connector_transfers import GroupPart
 from kvtier.integrations.vllm.connector_worker import WorkerMover
 from kvtier.integrations.vllm.kv_groups import FULL, NULL_BLOCK, SLIDING, GroupRule, describe_groups
 from kvtier.tools.bench_env import pool_toml
@@ -36,7 +37,8 @@ PROMPT_E = [3 + (i * 13) % 500 for i in range(6 * BS + 5)]
 
 
 def request(rid: str, prompt: list[int]) -> NS:
-    return NS(request_id=rid, prompt_token_ids=prompt, cache_salt=None, lora_request=None, mm_features=None)
+    return NS(request_id=rid, prompt_token_ids=prompt, all_token_ids=prompt, num_computed_tokens=0, cache_salt=None,
+              lora_request=None, mm_features=None)
 
 
 def step(new=(), cached=()) -> NS:
@@ -52,7 +54,7 @@ def step(new=(), cached=()) -> NS:
 def parts(daemon_factory):
     d = daemon_factory(pools_toml=pool_toml("hy", {"model": "m", "layers": 1, "kv_heads": HEADS, "head_dim": DIM,
                                                   "block_tokens": BS, "dtype": DTYPE}, "cpu", 0, 64))
-    settings = ConnectorSettings(pool="hy", runtime_dir=str(d.runtime_dir), redis_wait_s=0.0)
+    settings = ConnectorSettings(pool="hy", runtime_dir=str(d.runtime_dir), )
     link = connector_link("hy", settings.runtime_dir, 16, 0.2, 5.0)
     caches = {name: torch.empty((40, 2, HEADS, BS, DIM), dtype=torch.float8_e4m3fn) for name in ("l0", "l1")}
     for c in caches.values():
@@ -71,23 +73,26 @@ def planner(settings, link) -> SchedulerPlanner:
 def test_a_hybrid_prefix_loads_each_groups_part_and_only_the_window(parts):
     settings, link, mover, caches, _ = parts
     a = planner(settings, link)
-    assert a.matched_tokens(request("a", PROMPT_A), 0) == 0
+    assert a.matched_tokens(request("a", PROMPT_A), 0) == (0, False)
     plan = a.build(step(new=[("a", ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), len(PROMPT_A))]))
     assert [(p.group, p.first, p.block_ids) for p in plan.saves[0].parts] == [
         (0, 0, (1, 2, 3, 4, 5, 6)), (1, 0, (11, 12, 13, 14, 15, 16))]  # every computed block of both
     mover.save(plan.saves)
 
     b = planner(settings, link)  # another engine on the node
-    wait_until(lambda: b.matched_tokens(request("b", PROMPT_A), 0) == 6 * BS, timeout=10,
+    wait_until(lambda: b.matched_tokens(request("b", PROMPT_A), 0) == (6 * BS, True), timeout=10,
                message="both groups' parts stored")
-    b.after_alloc(request("b", PROMPT_A), 6 * BS)
     # vLLM keeps the sliding group's blocks 4-6 (window 32 tokens: first_kept(6) = 4), nulls before.
     null_before = caches["l0"][NULL_BLOCK].clone()
     sliding = [NULL_BLOCK] * 4 + [21, 22, 23]
-    plan = b.build(step(new=[("b", (sliding, [31, 32, 33, 34, 35, 36, 37]), len(PROMPT_A) - 6 * BS)]))
+    b.after_alloc(request("b", PROMPT_A), (sliding, [31, 32, 33, 34, 35, 36, 37]), 6 * BS)
+    plan = b.build(step())  # an asynchronous load: the request is not among the step's scheduled ones
     [load] = plan.loads
+    assert load.asynchronous and not load.remote and load.deadline_s > 0
     assert load.parts == (GroupPart(0, 4, (21, 22)), GroupPart(1, 0, (31, 32, 33, 34, 35, 36)))
-    assert mover.load(plan.loads) == set()
+    assert mover.start_loads(plan.loads) == set()  # handed to the loader thread
+    done = wait_until(lambda: (r := mover.finished_loads())[0] and r, timeout=10, message="the load reported done")
+    assert done == ({"b"}, set())
     raw = {n: c.view(torch.uint8) for n, c in caches.items()}
     assert torch.equal(raw["l0"][21:23], raw["l0"][5:7])  # sliding blocks 4, 5
     assert torch.equal(raw["l1"][31:37], raw["l1"][11:17])  # full blocks 0-5
@@ -99,7 +104,7 @@ def test_a_hybrid_prefix_loads_each_groups_part_and_only_the_window(parts):
 def test_a_missing_sliding_part_shortens_the_hit_to_a_whole_window(parts):
     settings, link, mover, caches, _ = parts
     c = planner(settings, link)
-    assert c.matched_tokens(request("c", PROMPT_C), 0) == 0
+    assert c.matched_tokens(request("c", PROMPT_C), 0) == (0, False)
     plan = c.build(step(new=[("c", ([1, 2, 3, 4, 5], [11, 12, 13, 14, 15]), 5 * BS)]))
     mover.save(plan.saves)
     # Next step: vLLM gives the sliding group no block 5 (null): only the full group's part is saved.
@@ -112,9 +117,9 @@ def test_a_missing_sliding_part_shortens_the_hit_to_a_whole_window(parts):
     full = d._keys(client, d._track(request("d", PROMPT_C)), 6)[1]
     wait_until(lambda: client.lookup("hy", full).length == 6, timeout=10, message="the full group's six parts stored")
     # Six blocks need sliding parts 4 and 5; five need 3 and 4, which are held (once visible).
-    wait_until(lambda: d.matched_tokens(request("d", PROMPT_C), 0) == 5 * BS, timeout=10,
+    wait_until(lambda: d.matched_tokens(request("d", PROMPT_C), 0) == (5 * BS, True), timeout=10,
                message="a hit of five blocks, not six")
-    assert d.matched_tokens(request("d", PROMPT_C), 0) == 5 * BS
+    assert d.matched_tokens(request("d", PROMPT_C), 0) == (5 * BS, True)
 
 
 def test_an_engine_waits_for_its_own_saves_instead_of_missing_them(parts):
@@ -123,18 +128,18 @@ def test_an_engine_waits_for_its_own_saves_instead_of_missing_them(parts):
     step) instead of computing it all; another engine, which saved nothing, misses at once."""
     settings, link, mover, caches, d = parts
     e = planner(settings, link)
-    assert e.matched_tokens(request("e1", PROMPT_E), 0) == 0
+    assert e.matched_tokens(request("e1", PROMPT_E), 0) == (0, False)
     d.proc.send_signal(signal.SIGSTOP)
     try:
         plan = e.build(step(new=[("e1", ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), len(PROMPT_E))]))
         mover.save(plan.saves)
         assert link.counters.snapshot()["saved_blocks"] == 12  # staged, both groups
-        assert e.matched_tokens(request("e2", PROMPT_E), 0) is None
-        assert e.matched_tokens(request("e2", PROMPT_E), 0) is None  # still landing: asked again
-        assert planner(settings, link).matched_tokens(request("x", PROMPT_E), 0) == 0
+        assert e.matched_tokens(request("e2", PROMPT_E), 0) == (None, False)
+        assert e.matched_tokens(request("e2", PROMPT_E), 0) == (None, False)  # still landing: asked again
+        assert planner(settings, link).matched_tokens(request("x", PROMPT_E), 0) == (0, False)
     finally:
         d.proc.send_signal(signal.SIGCONT)
-    wait_until(lambda: e.matched_tokens(request("e2", PROMPT_E), 0) == 6 * BS, timeout=10,
+    wait_until(lambda: e.matched_tokens(request("e2", PROMPT_E), 0) == (6 * BS, True), timeout=10,
                message="the whole prefix once the daemon placed it")
     assert link.counters.snapshot()["own_save_waits"] == 1
-    assert e.own == {}  # seen placed: forgotten
+    assert not e.own  # seen placed: forgotten

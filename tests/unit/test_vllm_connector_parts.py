@@ -13,15 +13,19 @@ NS = KeyNamespace(model="m", weights='{"weights":"content:aa"}', engine_version=
 
 
 def test_settings_defaults_and_milliseconds():
-    s = ConnectorSettings.from_extra_config({"pool": "p", "lookup_timeout_ms": 50, "redis_wait_ms": 0})
-    assert (s.pool, s.lookup_timeout_s, s.redis_wait_s, s.runtime_dir) == ("p", 0.05, 0.0, None)
+    s = ConnectorSettings.from_extra_config({"pool": "p", "lookup_timeout_ms": 50, "lookup_tries": 2,
+                                            "save_decode": False})
+    assert (s.pool, s.lookup_timeout_s, s.lookup_tries, s.runtime_dir) == ("p", 0.05, 2, None)
+    assert (s.read_through, s.load_async, s.save_decode) == (True, True, False)
 
 
 def test_settings_report_every_problem_at_once():
     with pytest.raises(ConnectorConfigError) as e:
-        ConnectorSettings.from_extra_config({"lookup_timeout_ms": -1, "staging_blocks": 0, "colour": "red"})
+        ConnectorSettings.from_extra_config({"lookup_timeout_ms": -1, "staging_blocks": 0, "colour": "red",
+                                            "load_async": "yes", "redis_wait_ms": 100})
     msg = str(e.value)
-    for part in ("'pool'", "'lookup_timeout_ms'", "'staging_blocks'", "unknown keys ['colour']"):
+    for part in ("'pool'", "'lookup_timeout_ms'", "'staging_blocks'", "'load_async' must be true or false",
+                 "unknown keys ['colour', 'redis_wait_ms']"):
         assert part in msg
 
 

@@ -107,8 +107,7 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
     # Q1: every part of group 0 gone; Q2: group 0's part of its last block gone.
     rec["deleted"] = r.delete(*(redis_block_key(POOL_HYBRID, k) for k in [*keys["q1", 0], keys["q2", 0][-1]]))
     b_before = b.pool_stats(POOL_HYBRID)
-    with EngineProcess(hybrid, logs / "hybrid-b.log", connector_config(POOL_HYBRID, b.runtime_dir,
-                                                                        redis_wait_ms=30_000, lookup_timeout_ms=5_000),
+    with EngineProcess(hybrid, logs / "hybrid-b.log", connector_config(POOL_HYBRID, b.runtime_dir),
                        prefix_caching=False) as e:
         for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2)):
             rec[f"hybrid_b_{name}"] = e.generate(prompt)

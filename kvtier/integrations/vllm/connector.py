@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -30,7 +31,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, Slid
 from kvtier.integrations.namespaced_keys import namespace_bytes
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id
 from kvtier.integrations.vllm.connector_link import connector_link
-from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, SchedulerPlanner
+from kvtier.integrations.vllm.connector_scheduler import SchedulerPlanner
+from kvtier.integrations.vllm.connector_transfers import BlockTransfer
 from kvtier.integrations.vllm.connector_worker import WorkerMover
 from kvtier.integrations.vllm.kv_groups import FULL, MLA, SLIDING, GroupRule, describe_groups
 from kvtier.integrations.vllm.model_identity import connector_identity, draft_identity
@@ -46,6 +48,7 @@ log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    step_tokens: int = 0
 
 
 @dataclass
@@ -162,8 +165,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvtier: kv_load_failure_policy is 'fail': a block evicted between lookup and load "
                             "fails its request; set it to 'recompute' to recompute such blocks instead")
             ranks = [((t, tp_size), (p, pp_size)) for t in range(tp_size) for p in range(pp_size)]
+            spec = vllm_config.speculative_config
+            # One block of every layer of a rank: K and V (an MLA page holds one latent).
+            per_token = ns.kv_heads * ns.head_size * getattr(torch, ns.dtype, torch.float16).itemsize
+            block_bytes = ns.layers * ns.block_size * per_token * (1 if "mla" in ns.groups else 2)
             self._planner = SchedulerPlanner(settings, ns, self._link, ranks, load=cfg.is_kv_consumer,
-                                             save=cfg.is_kv_producer, rules=check_kv_groups(kv_cache_config))
+                                             save=cfg.is_kv_producer, rules=check_kv_groups(kv_cache_config),
+                                             block_bytes=block_bytes,
+                                             spec_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0))
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -177,26 +186,39 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._planner is None:
             return 0, False
-        return self._planner.matched_tokens(request, num_computed_tokens), False
+        return self._planner.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self._planner is not None:
-            self._planner.after_alloc(request, num_external_tokens)
+            self._planner.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """vLLM's prompt_tokens_cached_by_source: this node's tiers as host, Redis as p2p (the
+        KV crossed the network from another node's save)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        redis = 0 if self._planner is None else min(self._planner.redis_tokens(request), num_external_tokens)
+        split = {CacheHitSource.HOST: num_external_tokens - redis, CacheHitSource.P2P: redis}
+        return {k: v for k, v in split.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._planner is None:
             return KvtierConnectorMetadata()
         plan = self._planner.build(scheduler_output)
-        return KvtierConnectorMetadata(plan.loads, plan.saves)
+        return KvtierConnectorMetadata(plan.loads, plan.saves, plan.step_tokens)
+
+    def update_connector_output(self, connector_output) -> None:
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self._planner is not None and stats is not None and stats.data:
+            self._planner.workers_report(stats.data)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._planner is not None:
-            self._planner.finished(request.request_id)
-        return False, None  # saves were staged when the blocks were computed: nothing holds them
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        """True (vLLM keeps the blocks) while the blocks the last steps computed are saved."""
+        return (self._planner is not None and self._planner.finished(request, block_ids)), None
 
     # --- worker side -----------------------------------------------------------------------------
 
@@ -204,20 +226,39 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._mover is not None:
             self._mover.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._mover is not None and isinstance(connector_metadata, KvtierConnectorMetadata):
+            self._mover.step_started(connector_metadata.step_tokens)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._mover is not None and isinstance(meta, KvtierConnectorMetadata) and meta.loads:
-            self._load_errors |= self._mover.load(meta.loads)
+            self._load_errors |= self._mover.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has already loaded every layer
+        return  # loads are whole blocks (every layer), done before the request is scheduled
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Asynchronous loads that are over (their failed blocks go to
+        get_block_ids_with_load_errors in the same step), and finished requests whose last
+        save is staged."""
+        if self._mover is None:
+            return None, None
+        recving, failed = self._mover.finished_loads()
+        self._load_errors |= failed
+        # A finished request's last save comes in the same step as its id in finished_req_ids
+        # (both from the schedule() after request_finished), as vLLM requires of what we report.
+        sending = self._mover.sent & finished_req_ids
+        self._mover.sent -= sending
+        return sending or None, recving or None
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # a kvtier block spans all layers: wait_for_save stages it once they are all computed
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if self._mover is not None and isinstance(meta, KvtierConnectorMetadata) and meta.saves:
+        if self._mover is not None and isinstance(meta, KvtierConnectorMetadata):
             self._mover.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -234,9 +275,17 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats | None:
         return KvtierConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from kvtier.integrations.vllm.connector_metrics import KvtierPromMetrics
+
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, never an error
 
     def shutdown(self) -> None:
+        if self._mover is not None:
+            self._mover.close()
         self._link.close()

@@ -32,8 +32,11 @@ class ConnectorConfigError(ValueError):
 class ConnectorSettings:
     pool: str  # the kvtier pool that holds this model's blocks
     runtime_dir: str | None = None  # where the daemon's descriptor is (None: kvtier's default)
-    lookup_timeout_s: float = 0.02  # bound on the scheduler's one Redis round trip per request
-    redis_wait_s: float = 1.0  # how long a request may wait for blocks prefetched from Redis
+    lookup_timeout_s: float = 0.02  # bound on one try of the scheduler's Redis lookup for a request
+    lookup_tries: int = 3  # a lookup that timed out is asked again next step, up to this many tries
+    read_through: bool = True  # load the part of a prefix only Redis holds, straight from Redis
+    load_async: bool = True  # loads run beside the engine's steps (vLLM's WAITING_FOR_REMOTE_KVS)
+    save_decode: bool = True  # save the full blocks decoding produces too, not the prompt's only
     retry_s: float = 5.0  # after the daemon was unreachable, how long until the next try
     staging_blocks: int = 128  # the client's staging slots, one block of /dev/shm each
     call_timeout_s: float = 5.0  # bound on one worker-side get or put
@@ -51,7 +54,7 @@ class ConnectorSettings:
         if runtime_dir is not None and not isinstance(runtime_dir, str):
             errors.append("'runtime_dir' must be a string")
         values: dict[str, Any] = {}
-        for name, ms_key, lo in (("lookup_timeout_s", "lookup_timeout_ms", 1), ("redis_wait_s", "redis_wait_ms", 0),
+        for name, ms_key, lo in (("lookup_timeout_s", "lookup_timeout_ms", 1),
                                  ("retry_s", "retry_ms", 1), ("call_timeout_s", "call_timeout_ms", 1),
                                  ("save_wait_s", "save_wait_ms", 0)):
             if ms_key in extra:
@@ -66,18 +69,36 @@ class ConnectorSettings:
                 errors.append("'weights_id' must be a non-empty string")
             else:
                 values["weights_id"] = weights_id
-        if "staging_blocks" in extra:
-            v = extra.pop("staging_blocks")
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                errors.append("'staging_blocks' must be an integer >= 1")
-            else:
-                values["staging_blocks"] = v
+        for name in ("staging_blocks", "lookup_tries"):
+            if name in extra:
+                v = extra.pop(name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    errors.append(f"'{name}' must be an integer >= 1")
+                else:
+                    values[name] = v
+        for name in ("read_through", "load_async", "save_decode"):
+            if name in extra:
+                v = extra.pop(name)
+                if not isinstance(v, bool):
+                    errors.append(f"'{name}' must be true or false")
+                else:
+                    values[name] = v
         if extra:
-            errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, "
-                          "redis_wait_ms, retry_ms, call_timeout_ms, save_wait_ms, staging_blocks, weights_id)")
+            errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, lookup_tries, "
+                          "read_through, load_async, save_decode, retry_ms, call_timeout_ms, save_wait_ms, "
+                          "staging_blocks, weights_id)")
         if errors:
             raise ConnectorConfigError("kvtier connector kv_connector_extra_config: " + "; ".join(errors))
         return cls(pool=pool, runtime_dir=runtime_dir, **values)  # type: ignore[arg-type]
+
+
+def request_opt_outs(params: Any) -> tuple[bool, bool]:
+    """(save, save_decode) for one request, from its kv_transfer_params {"kvtier": {"save": false,
+    "save_decode": false}} (anything else there is left to other connectors)."""
+    mine = params.get("kvtier") if isinstance(params, dict) else None
+    if not isinstance(mine, dict):
+        return True, True
+    return mine.get("save", True) is not False, mine.get("save_decode", True) is not False
 
 
 @dataclass(frozen=True, slots=True)

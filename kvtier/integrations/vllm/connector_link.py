@@ -20,10 +20,19 @@ log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers
 CONNECTOR_COUNTERS = (  # besides the link's own (LINK_COUNTERS), reported through vLLM's connector stats
     "lookups",  # requests the scheduler looked up
     "hit_blocks",  # blocks the scheduler promised vLLM it could load
-    "redis_blocks",  # of those, blocks that were first prefetched from Redis
+    "hit_blocks_redis",  # of those, blocks only Redis held (read through by the worker)
     "own_save_waits",  # requests held a step or more for this engine's own saves to be placed
+    "lookup_timeouts",  # Redis lookups that ran past lookup_timeout_ms
+    "lookup_retries",  # of those, asked again on a later step (the rest went on with the local part)
+    "load_not_worth_blocks",  # held by kvtier but not loaded: recomputing them is cheaper
     "loaded_blocks",
-    "load_failed_blocks",  # promised but not read (evicted meanwhile, failed verification, daemon gone)
+    "load_failed_blocks",  # promised but not read (evicted meanwhile, failed verification, deadline, daemon gone)
+    "load_deadline_missed",  # loads given up at their deadline (their blocks recomputed)
+    "load_local_blocks",  # loaded blocks read from this node's shared memory
+    "load_remote_blocks",  # loaded blocks read straight from Redis
+    "load_us",  # time spent in loads that read something
+    "prefill_tokens",  # tokens of the steps timed as prefill (the cost model's recompute figure)
+    "prefill_us",
     "saved_blocks",
     "save_skipped_blocks",  # already resident on this node
     "save_dropped_blocks",  # no staging room in time, or the daemon unreachable

@@ -1,21 +1,24 @@
-"""The connector's scheduler half: how much of a prompt kvtier holds, and which blocks to move.
+"""The connector's scheduler half: how much of a request kvtier holds, and which blocks to move.
 
 Runs in vLLM's scheduler process, on its loop, so it never waits long:
 - a lookup in the node's shared-memory directory costs no I/O;
-- Redis is asked once per request, bounded by `lookup_timeout_s`;
-- blocks that only Redis holds are prefetched into this node, and the request is held back
-  (`None`: "ask again next step") until they are resident or `redis_wait_s` has passed; then
-  it is scheduled with whatever is resident;
-- blocks this engine itself handed to kvtier and the daemon has not placed yet (read your own
-  writes) hold a request back the same way, for at most OWN_SAVE_LAND_S after their save was
-  planned (a save the worker had to drop is not waited for longer than that).
-Loads are synchronous for vLLM (the worker reads them before the forward pass). Saves are
-planned as blocks of the prompt become computed and staged by the worker in the same step, so
-a finished request's blocks are never held back (`request_finished` returns False).
+- Redis is asked how much further the prefix goes (bounded by `lookup_timeout_s`); a lookup
+  that timed out is asked again next step (`None`: "ask again"), up to `lookup_tries` times;
+- the part only Redis holds is promised too (`read_through`): the worker reads it straight
+  from Redis into vLLM's pages, with no prefetch round trip;
+- blocks this engine itself handed to kvtier and the daemon has not placed yet hold a request
+  back a step or more (read your own writes: own_saves.py).
+What is promised is what pays, with a deadline (kvtier/core/load_cost.py, from the workers'
+figures). Loads are asynchronous (`load_async`): the request waits in WAITING_FOR_REMOTE_KVS
+while the others run, and the worker reports it done.
 
-A hybrid model's KV-cache groups each have a chain of keys per rank (kv_groups.py): a hit is
-the longest prefix every chain holds what its group needs of, and a load moves only that.
-"""
+Saves: prompt blocks as they become computed (staged by the worker in the same step); blocks
+decoding produced (`save_decode`, opt out per request with kv_transfer_params {"kvtier":
+{"save_decode": false}}) once their tokens are confirmed, a step later; what a finished request
+still has unsaved is saved in the next step while vLLM holds its blocks (`request_finished`).
+
+A hybrid model's groups each have a chain of keys per rank (kv_groups.py): a hit is the longest
+prefix every chain holds its group's part of, and a load moves only that."""
 
 from __future__ import annotations
 
@@ -23,63 +26,36 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvtier.core.load_cost import LoadCosts
 from kvtier.integrations.link import EngineLink
-from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt, request_opt_outs
+from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart, TransferPlan
 from kvtier.integrations.vllm.kv_groups import GroupRule, complete_prefix, held_part
+from kvtier.integrations.vllm.own_saves import OwnSaves
 
 REPORT_S = 60.0
-OWN_SAVE_LAND_S = 0.5  # how long a lookup waits for this engine's own save to be placed
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
-
-
-@dataclass(frozen=True, slots=True)
-class GroupPart:
-    """One KV-cache group's blocks [first, first + len(block_ids)) of a prompt, and where they are
-    in vLLM (that group's block ids)."""
-
-    group: int
-    first: int
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTransfer:
-    """Blocks of one request's prompt, one part per KV-cache group. Workers recompute the keys
-    from the tokens with their own rank's salt."""
-
-    req_id: str
-    token_ids: tuple[int, ...]  # the prompt's tokens up to the last block moved
-    cache_salt: str | None
-    lora_name: str | None
-    parts: tuple[GroupPart, ...]
-    refused: bool = False  # a load whose blocks vLLM laid out unlike the plan: all of it fails
-
-    @property
-    def blocks(self) -> int:
-        return sum(len(p.block_ids) for p in self.parts)
-
-
-@dataclass(slots=True)
-class TransferPlan:
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class _Tracked:
+    request: Any  # vLLM's Request (this process's): its tokens and computed count as they grow
     prompt: tuple[int, ...]
     cache_salt: str | None
     lora_name: str | None
+    save: bool = True  # kv_transfer_params may opt a request out of saves, or of decode saves
+    save_decode: bool = True
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
-    saved: int = 0  # leading prompt blocks already in kvtier or handed to it
-    load: tuple[int, int] | None = None  # blocks [first, end) to load before the next forward
+    saved: int = 0  # leading blocks already in kvtier or handed to it
     local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us
     keys: list[list[bytes]] | None = None  # per chain (rank-major, then group), as far as hashed
-    asked_redis: bool = False
+    reach: int | None = None  # how far Redis and this node together hold the prefix (asked once)
+    tries: int = 0  # Redis lookups tried
     held_for_own: bool = False  # held back a step or more for this engine's own saves
-    waiting_since: float | None = None  # prefetch from Redis asked at this time
-    redis_target: int = 0
+    promised: tuple[int, int, float] | None = None  # (end block, first block from Redis, deadline s)
+    redis_tokens: int = 0  # of the last load, tokens read through from Redis
 
 
 class SchedulerPlanner:
@@ -87,7 +63,8 @@ class SchedulerPlanner:
 
     def __init__(self, settings: ConnectorSettings, ns: KeyNamespace, link: EngineLink,
                  ranks: Sequence[tuple[tuple[int, int], tuple[int, int]]], *, load: bool, save: bool,
-                 rules: Sequence[GroupRule], clock: Callable[[], float] = time.monotonic) -> None:
+                 rules: Sequence[GroupRule], block_bytes: int = 0, spec_tokens: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.s = settings
         self.ns = ns
         self.link = link
@@ -99,11 +76,14 @@ class SchedulerPlanner:
         self.do_load, self.do_save = load, save
         self.clock = clock
         self.block_size = ns.block_size
+        # Speculative tokens are counted computed before they are verified: decode saves stay
+        # that far (and one more token) behind.
+        self.unconfirmed = spec_tokens + 1 if spec_tokens else 0
+        self.costs = LoadCosts(max(block_bytes, 1), ns.block_size, ceiling_s=settings.call_timeout_s)
         self.reqs: dict[str, _Tracked] = {}
-        # Keys of blocks this engine handed to kvtier and has not yet seen placed: until when a
-        # lookup waits for them (a save is staged in the step that computed it, then placed).
-        self.own: dict[bytes, float] = {}
-        self._next_prune = 0.0
+        self.loads: list[BlockTransfer] = []  # planned at allocation, sent with the next metadata
+        self.final_saves: list[BlockTransfer] = []  # of finished requests whose blocks vLLM holds for them
+        self.own = OwnSaves(clock=clock)  # blocks this engine handed over and has not seen placed
         self._next_report = clock() + REPORT_S
         self._reported: dict[str, int] = {}
 
@@ -113,49 +93,63 @@ class SchedulerPlanner:
         t = self.reqs.get(request.request_id)
         if t is None:
             lora = getattr(request, "lora_request", None)
-            t = _Tracked(tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
-                         None if lora is None else str(lora.lora_name))
+            save, save_decode = request_opt_outs(getattr(request, "kv_transfer_params", None))
+            t = _Tracked(request, tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
+                         None if lora is None else str(lora.lora_name), save, save_decode and self.s.save_decode)
             self.reqs[request.request_id] = t
             self.link.counters.add("lookups")
         return t
 
-    def _keys(self, client, t: _Tracked, n_blocks: int) -> list[list[bytes]]:
-        """Each chain's keys for the first n_blocks blocks (hashed once per request)."""
+    def _keys(self, client, t: _Tracked, n_blocks: int, tokens: Sequence[int] | None = None) -> list[list[bytes]]:
+        """Each chain's keys for the first n_blocks blocks of the request's tokens (hashed once
+        per request and extended as it grows: the prompt is the start of its tokens)."""
         if t.keys is None or len(t.keys[0]) < n_blocks:
-            tokens = t.prompt[: n_blocks * self.block_size]
-            t.keys = [client.block_keys(self.s.pool, tokens, salt=rank_salt(self.ns, tp, pp, t.cache_salt, g),
+            upto = tuple((t.prompt if tokens is None else tokens)[: n_blocks * self.block_size])
+            t.keys = [client.block_keys(self.s.pool, upto, salt=rank_salt(self.ns, tp, pp, t.cache_salt, g),
                                         lora_id=t.lora_name) for tp, pp, g in self.chains]
         return [k[:n_blocks] for k in t.keys]
 
     # --- get_num_new_matched_tokens --------------------------------------------------------------
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        """Tokens beyond `num_computed_tokens` that kvtier can load now; None: ask again later."""
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` kvtier can load (None: ask again next step), and
+        whether vLLM should wait for them asynchronously."""
         t = self._track(request)
         t.local_tokens = num_computed_tokens
+        t.promised = None
         if not self.do_load or getattr(request, "mm_features", None) or not t.prompt:
-            return 0  # multimodal placeholders are not the content: their keys would lie
+            return 0, False  # multimodal placeholders are not the content: their keys would lie
         # vLLM must compute at least one token itself, so the last prompt token is never loaded.
         max_blocks = (len(t.prompt) - 1) // self.block_size
-        if max_blocks * self.block_size <= num_computed_tokens:
-            return 0
+        done = num_computed_tokens // self.block_size
+        if max_blocks <= done:
+            return 0, False
         found = self.link.guard("lookup", None, lambda c: self._resident(c, t, max_blocks))
         if found is None:
-            return 0
+            return 0, False
         local, keys, landing = found
         if landing > local:  # this engine's own saves are being placed: found a step later
             if not t.held_for_own:
                 t.held_for_own = True
                 self.link.counters.add("own_save_waits")
-            return None
-        if t.waiting_since is not None:  # a prefetch from Redis is on its way
-            if local < t.redis_target and self.clock() - t.waiting_since < self.s.redis_wait_s:
-                return None
-            t.waiting_since = None
-        elif local < max_blocks and self.s.redis_wait_s > 0 and self._prefetch(t, keys, local):
-            return None
+            return None, False
         t.saved = max(t.saved, local)
-        return max(0, local * self.block_size - num_computed_tokens)
+        reach = local
+        if local < max_blocks and self.s.read_through:
+            r = self._redis_reach(t, keys)
+            if r is None:
+                if t.tries < self.s.lookup_tries:
+                    self.link.counters.add("lookup_retries")
+                    return None, False
+                r = local  # still no answer: this request goes on with what the node holds
+            reach = max(local, r)
+        plan = self.costs.plan(max(0, local - done), max(0, reach - max(local, done)))
+        self.link.counters.add("load_not_worth_blocks", plan.not_worth)
+        end = done + plan.local + plan.remote
+        if end <= done:
+            return 0, False
+        t.promised = (end, max(local, done), plan.deadline_s)
+        return end * self.block_size - num_computed_tokens, self.s.load_async
 
     def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]], int]:
         """The leading blocks this node holds whole (every chain's part that a load needs), each
@@ -171,62 +165,87 @@ class SchedulerPlanner:
         local = complete_prefix(self.chain_rules, present, max_blocks)
         if not self.own:
             return local, keys, local
-        now = self.clock()
-        for k, held in zip(keys, present):
-            for key, h in zip(k, held):
-                if h:
-                    self.own.pop(key, None)
-        landing = [[h or self.own.get(key, 0.0) > now for key, h in zip(k, held)] for k, held in zip(keys, present)]
-        return local, keys, complete_prefix(self.chain_rules, landing, max_blocks)
+        return local, keys, complete_prefix(self.chain_rules, self.own.landing(keys, present), max_blocks)
 
-    def _prefetch(self, t: _Tracked, keys: list[list[bytes]], local: int) -> bool:
-        """Ask Redis (one bounded round trip per chain, once per request) how far each chain's
-        leading run goes on; if every chain reaches past this node's prefix, prefetch the
-        missing blocks each group needs and say so. (A sliding-window group's run is asked from
-        its first block: older parts Redis lost cost a miss here, never a wrong load.)"""
-        if t.asked_redis:
-            return False
-        t.asked_redis = True
+    def _redis_reach(self, t: _Tracked, keys: list[list[bytes]]) -> int | None:
+        """How far every chain's prefix can be read, from this node or Redis (one bounded round
+        trip per chain, asked once per request; None: it timed out, ask again). A sliding-window
+        group's run is asked from its first block: older parts Redis lost cost a miss here, never
+        a wrong load."""
+        if t.reach is not None:
+            return t.reach
+        t.tries += 1
         timeout = self.s.lookup_timeout_s
-        starts: list[int] = []
-        end = len(keys[0])
+
+        def locate(c, k: list[bytes]) -> int | None:
+            try:
+                found = c.locate(self.s.pool, k, timeout=timeout)
+            except TimeoutError:  # the link is fine (not the guard's "lost"): this lookup was slow
+                return None
+            return int(found.length + found.redis_length)
+
+        reach = len(keys[0])
         for k in keys:
-            found = self.link.guard("redis lookup", None, lambda c, k=k: c.locate(self.s.pool, k, timeout=timeout))
-            if found is None:
-                return False
-            starts.append(found.length)
-            end = min(end, found.length + found.redis_length)
-        if end <= local:
-            return False
-        for k, start, rule in zip(keys, starts, self.chain_rules):
-            start = max(start, rule.first_kept(end))
-            if start < end and not self.link.guard("prefetch", False, lambda c, k=k, start=start: c.prefetch(
-                    self.s.pool, k[start:end], parent=k[start - 1] if start else None, timeout=timeout) or True):
-                return False
-        t.redis_target = end
-        t.waiting_since = self.clock()
-        self.link.counters.add("redis_blocks", end - local)
-        return True
+            r = self.link.guard("redis lookup", 0, lambda c, k=k: locate(c, k))
+            if r is None:
+                self.link.counters.add("lookup_timeouts")
+                return None
+            reach = min(reach, r)
+        t.reach = reach
+        return reach
 
     # --- update_state_after_alloc / build_connector_meta ---------------------------------------
 
-    def after_alloc(self, request, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
+    def after_alloc(self, request, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (per group): the load it was promised is planned
+        now (an asynchronous one is never among the step's scheduled requests)."""
         t = self._track(request)
+        t.block_ids = [list(ids) for ids in block_ids]
+        promised, t.promised = t.promised, None
+        if num_external_tokens <= 0 or promised is None:
+            return
+        end, from_redis, deadline = promised
         first = t.local_tokens // self.block_size  # vLLM loads right after the local hit it showed us
-        t.load = (first, first + num_external_tokens // self.block_size)
-        self.link.counters.add("hit_blocks", t.load[1] - first)
+        end = min(end, first + num_external_tokens // self.block_size)
+        held = self._held(t)
+        c = self.link.counters
+        c.add("hit_blocks", end - first)
+        c.add("hit_blocks_redis", max(0, end - max(first, from_redis)))
+        t.redis_tokens = max(0, end - max(first, from_redis)) * self.block_size
+        asynchronous = self.s.load_async
+        if end <= first or held < end:  # never promised this much: vLLM recomputes it
+            parts: tuple[GroupPart, ...] = ()
+            refused = True
+        else:
+            parts = self._parts(t, first, end, load=True)
+            # vLLM nulls the same blocks the rules leave out; a part that starts later means it
+            # kept fewer than the load needs: load nothing, so vLLM recomputes them all.
+            want = [(g, lo) for g, r in enumerate(self.rules) if (lo := max(first, r.first_kept(end))) < end]
+            refused = [(p.group, p.first) for p in parts] != want
+        if refused:
+            log.error("kvtier: request %s: vLLM's blocks for groups %s do not cover the window the load needs; "
+                      "recomputing it", request.request_id, [p.group for p in parts])
+        self.loads.append(BlockTransfer(request.request_id, t.prompt[: end * self.block_size], t.cache_salt,
+                                        t.lora_name, parts, refused, remote=end > from_redis, deadline_s=deadline,
+                                        asynchronous=asynchronous))
+        t.saved = max(t.saved, end)
+
+    def redis_tokens(self, request) -> int:
+        t = self.reqs.get(request.request_id)
+        return 0 if t is None else t.redis_tokens
 
     def build(self, scheduler_output) -> TransferPlan:
         self._report()
-        plan = TransferPlan()
+        plan = TransferPlan(loads=self.loads, saves=self.final_saves,
+                            step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        self.loads, self.final_saves = [], []
         for new in scheduler_output.scheduled_new_reqs:
             t = self.reqs.get(new.req_id)
             if t is None:
                 continue
             t.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan(plan, new.req_id, t, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+            self._plan(plan, t, new.num_computed_tokens,
+                       new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.reqs.get(req_id)
@@ -240,8 +259,13 @@ class SchedulerPlanner:
                     t.block_ids = [[] for _ in new_ids]
                 for have, more in zip(t.block_ids, new_ids):
                     have.extend(more)
-            self._plan(plan, req_id, t, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+            computed = cached.num_computed_tokens[i]
+            self._plan(plan, t, computed, computed + scheduler_output.num_scheduled_tokens[req_id])
         return plan
+
+    def _held(self, t: _Tracked) -> int:
+        """How many leading blocks vLLM has allocated in every group."""
+        return min((len(ids) for ids in t.block_ids), default=0) if len(t.block_ids) == len(self.rules) else 0
 
     def _parts(self, t: _Tracked, first: int, end: int, *, load: bool) -> tuple[GroupPart, ...]:
         """Each group's blocks of [first, end) that a transfer moves: a load only those the
@@ -254,51 +278,64 @@ class SchedulerPlanner:
                 parts.append(GroupPart(g, lo, held))
         return tuple(parts)
 
-    def _plan(self, plan: TransferPlan, req_id: str, t: _Tracked, computed_after_step: int) -> None:
-        bs = self.block_size
-        held = min((len(ids) for ids in t.block_ids), default=0) if len(t.block_ids) == len(self.rules) else 0
-        if t.load is not None:
-            first, end = t.load
-            t.load = None
-            if end > first and held >= end:
-                parts = self._parts(t, first, end, load=True)
-                # vLLM nulls the same blocks the rules leave out; a part that starts later means
-                # it kept fewer than the load needs: load nothing, so vLLM recomputes them all.
-                want = [(g, lo) for g, r in enumerate(self.rules) if (lo := max(first, r.first_kept(end))) < end]
-                refused = [(p.group, p.first) for p in parts] != want
-                if refused:
-                    log.error("kvtier: request %s: vLLM's blocks for groups %s do not cover the window the load "
-                              "needs; recomputing it", req_id, [p.group for p in parts])
-                plan.loads.append(BlockTransfer(req_id, t.prompt[: end * bs], t.cache_salt, t.lora_name, parts,
-                                                refused))
-                t.saved = max(t.saved, end)
-        if not self.do_save:
-            return
-        upto = min(min(computed_after_step, len(t.prompt)) // bs, held)
-        if upto > t.saved:
-            parts = self._parts(t, t.saved, upto, load=False)
-            plan.saves.append(BlockTransfer(req_id, t.prompt[: upto * bs], t.cache_salt, t.lora_name, parts))
-            if self.do_load:  # a producer-only engine never looks its saves up
-                self.link.guard("save plan", None, lambda c: self._note_own(c, t, upto, parts))
-            t.saved = upto
+    def _save_upto(self, t: _Tracked, confirmed: int, computed_after_step: int) -> tuple[int, tuple[int, ...]]:
+        """How many leading blocks can be saved once this step ran, and their tokens: the prompt's
+        computed ones, and with save_decode the confirmed tokens' (prompt and output) too."""
+        tokens: Sequence[int] = t.prompt
+        upto = min(computed_after_step, len(t.prompt))
+        if t.save_decode and t.request is not None:
+            everything = t.request.all_token_ids
+            decoded = min(confirmed - self.unconfirmed, len(everything))
+            if decoded > upto:
+                tokens, upto = everything, decoded
+        held = self._held(t)
+        n = min(upto // self.block_size, held)
+        return n, tuple(tokens[: n * self.block_size])
 
-    def _note_own(self, client, t: _Tracked, upto: int, parts: tuple[GroupPart, ...]) -> None:
+    def _plan(self, plan: TransferPlan, t: _Tracked, confirmed: int, computed_after_step: int) -> None:
+        if not (self.do_save and t.save):
+            return
+        upto, tokens = self._save_upto(t, confirmed, computed_after_step)
+        if upto > t.saved:
+            plan.saves.append(self._save(t, upto, tokens))
+
+    def _save(self, t: _Tracked, upto: int, tokens: tuple[int, ...], *, final: bool = False) -> BlockTransfer:
+        parts = self._parts(t, t.saved, upto, load=False)
+        if self.do_load:  # a producer-only engine never looks its saves up
+            self.link.guard("save plan", None, lambda c: self._note_own(c, t, upto, parts, tokens))
+        t.saved = upto
+        return BlockTransfer(t.request.request_id, tokens, t.cache_salt, t.lora_name, parts, final=final)
+
+    def _note_own(self, client, t: _Tracked, upto: int, parts: tuple[GroupPart, ...], tokens: Sequence[int]) -> None:
         """Remember the keys a save hands over, so that the next lookups wait for them to land."""
-        keys = self._keys(client, t, upto)
-        now = self.clock()
-        until = now + OWN_SAVE_LAND_S
-        if now >= self._next_prune:  # forget what landed unseen or never will
-            self._next_prune = now + 1.0
-            self.own = {k: u for k, u in self.own.items() if u > now}
+        keys = self._keys(client, t, upto, tokens)
         by_group = {p.group: p for p in parts}
         for k, (_, _, g) in zip(keys, self.chains):
             p = by_group.get(g)
             if p is not None:
-                for key in k[p.first:p.first + len(p.block_ids)]:
-                    self.own[key] = until
+                self.own.note(k[p.first:p.first + len(p.block_ids)])
 
-    def finished(self, req_id: str) -> None:
-        self.reqs.pop(req_id, None)
+    def finished(self, request, block_ids: Sequence[Sequence[int]]) -> bool:
+        """The request is done: True when its last computed blocks still need saving, in the
+        next step (vLLM then keeps its blocks until the worker reports the save staged)."""
+        t = self.reqs.pop(request.request_id, None)
+        if t is None or not (self.do_save and t.save and t.save_decode):
+            return False
+        t.block_ids = [list(ids) for ids in block_ids]
+        computed = int(getattr(request, "num_computed_tokens", 0) or 0)
+        upto, tokens = self._save_upto(t, computed, 0)
+        if upto <= t.saved:
+            return False
+        self.final_saves.append(self._save(t, upto, tokens, final=True))
+        return True
+
+    def workers_report(self, data: dict[str, Any]) -> None:
+        """The workers' figures since their last report: load bandwidths and prefill throughput."""
+        us = data.get("load_us", 0)
+        if us:
+            self.costs.observe_load(data.get("load_local_blocks", 0), data.get("load_remote_blocks", 0), us / 1e6)
+        if data.get("prefill_us", 0):
+            self.costs.observe_prefill(data.get("prefill_tokens", 0), data["prefill_us"] / 1e6)
 
     def _report(self) -> None:
         """The scheduler's counts, one log line a minute when they moved (the workers' go to

@@ -1,11 +1,18 @@
 """The connector's worker half: moves blocks between vLLM's paged KV caches and kvtier.
 
 Runs in each vLLM worker process (one per tensor/pipeline-parallel rank), keyed by that rank's
-salt. Loads finish before the forward pass that needs them (`start_load_kv`); saves are staged
-after it (`wait_for_save`), from every layer at once, since a kvtier block holds all of this
-rank's layers of one KV-cache group (a hybrid model's groups each have their own chain). A load
-that reads fewer blocks than planned reports the rest as failed block ids: vLLM then recomputes
-them (or fails the request, if `kv_load_failure_policy` says "fail").
+salt. Loads run on one background thread while vLLM computes the other requests (`start_loads`;
+`finished_loads` reports those done, for `get_finished`), or, when the scheduler asked for a
+synchronous one, before the forward pass. Each load reads what this node holds and, past that,
+straight from Redis, and is given up at its deadline. Saves are staged after the forward pass
+(`wait_for_save`), from every layer at once, since a kvtier block holds all of this rank's layers
+of one KV-cache group (a hybrid model's groups each have their own chain). A load that reads
+fewer blocks than planned reports the rest as failed block ids: vLLM then recomputes them (or
+fails the request, if `kv_load_failure_policy` says "fail").
+
+Layer by layer loading (`wait_for_layer_load`) is not done: a kvtier block holds every layer
+and is verified whole, so a layer cannot be used before the whole block is read; and with
+asynchronous loads no forward pass waits for a load at all.
 """
 
 from __future__ import annotations
@@ -13,18 +20,21 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from kvtier.client import ManifestEntry, checksum_parts
+from kvtier.client import ManifestEntry, ReadCounts, checksum_parts
 from kvtier.integrations.link import EngineLink, PoolSpec
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
-from kvtier.integrations.vllm.connector_scheduler import BlockTransfer, GroupPart
+from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart
 
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
+PREFILL_STEP_TOKENS = 256  # steps this large are timed as prefill throughput
 
 
 def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str, elem: int) -> PoolSpec:
@@ -51,8 +61,14 @@ class WorkerMover:
         self.groups: list[list[torch.Tensor]] = []  # their caches
         self.caches: list[torch.Tensor] = []  # every group's, for the device and dtype
         self.page: tuple[int, ...] = ()
-        self._scratch: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None  # the loader thread's only
         self._pages: list[list[np.ndarray]] | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[set[int]]] = {}  # asynchronous loads by request
+        self.sent: set[str] = set()  # finished requests whose last save is staged (get_finished)
+        self._step_started = 0.0
+        self._step_tokens = 0
+        self._step_sync_s = 0.0  # synchronous loads inside this step (not prefill)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -122,37 +138,94 @@ class WorkerMover:
 
     # --- loads -----------------------------------------------------------------------------------
 
-    def load(self, transfers: Sequence[BlockTransfer]) -> set[int]:
-        """Read each transfer's blocks into vLLM's pages. Returns the block ids not loaded."""
+    def start_loads(self, transfers: Sequence[BlockTransfer]) -> set[int]:
+        """Hand asynchronous loads to the loader thread; run synchronous ones now (returns the
+        block ids they did not load)."""
         failed: set[int] = set()
+        now = time.monotonic()
         for tr in transfers:
-            lost: list[int] = []
-            for part in tr.parts:
-                n = 0 if tr.refused else self.link.guard("load", 0, lambda c, tr=tr, p=part: self._load_one(c, tr, p))
-                self.link.counters.add("loaded_blocks", n)
-                lost += part.block_ids[n:]
-            if lost:
-                self.link.counters.add("load_failed_blocks", len(lost))
-                failed.update(lost)
-                log.warning("kvtier: request %s loaded %d of %d planned blocks; vLLM recomputes the rest",
-                            tr.req_id, tr.blocks - len(lost), tr.blocks)
+            if tr.asynchronous:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+                self._inflight[tr.req_id] = self._loader.submit(self._load, tr, now)
+            else:
+                failed |= self._load(tr, now)
+                self._step_sync_s += time.monotonic() - now
+                now = time.monotonic()
         return failed
 
-    def _load_one(self, client, tr: BlockTransfer, part: GroupPart) -> int:
+    def load(self, transfers: Sequence[BlockTransfer]) -> set[int]:
+        """Read each transfer's blocks into vLLM's pages now. Returns the block ids not loaded."""
+        now = time.monotonic()
+        return set().union(*(self._load(tr, now) for tr in transfers))
+
+    def finished_loads(self) -> tuple[set[str], set[int]]:
+        """Requests whose asynchronous load is over (loaded or not), and the block ids it failed."""
+        done = [r for r, f in self._inflight.items() if f.done()]
+        failed: set[int] = set()
+        for r in done:
+            failed |= self._inflight.pop(r).result()
+        return set(done), failed
+
+    def _load(self, tr: BlockTransfer, handed: float) -> set[int]:
+        """One transfer's blocks, within its deadline (counted from when it was handed over)."""
+        deadline = handed + (tr.deadline_s or self.s.call_timeout_s)
+        c = self.link.counters
+        lost: list[int] = []
+        missed = False
+        counts = ReadCounts()
+        for part in tr.parts:
+            n = 0
+            left = deadline - time.monotonic()
+            if tr.refused:
+                pass
+            elif left <= 0:
+                missed = True
+            else:
+                t0 = time.perf_counter()
+                n = self.link.guard("load", 0, lambda c, tr=tr, p=part, left=left: self._load_part(
+                    c, tr, p, left, counts))
+                if n < 0:  # its deadline passed (the link is fine)
+                    missed, n = True, 0
+                elif n:
+                    c.add("load_us", int((time.perf_counter() - t0) * 1e6))
+                    c.add("load_local_blocks", counts.local)
+                    c.add("load_remote_blocks", counts.remote)
+            c.add("loaded_blocks", n)
+            lost += part.block_ids[n:]
+        if missed:
+            c.add("load_deadline_missed")
+        if lost:
+            c.add("load_failed_blocks", len(lost))
+            log.warning("kvtier: request %s loaded %d of %d planned blocks%s; vLLM recomputes the rest",
+                        tr.req_id, tr.blocks - len(lost), tr.blocks, " (its deadline passed)" if missed else "")
+        return set(lost)
+
+    def _load_part(self, client, tr: BlockTransfer, part: GroupPart, timeout: float, counts: ReadCounts) -> int:
+        """_load_one, or -1 when it ran out of time (not a fault of the link: the guard must not
+        count it as one)."""
+        try:
+            return self._load_one(client, tr, part, timeout, counts)
+        except TimeoutError:
+            return -1
+
+    def _load_one(self, client, tr: BlockTransfer, part: GroupPart, timeout: float, counts: ReadCounts) -> int:
         pool = self._usable(client)
         if pool is None:
             return 0
         keys = self.chain_keys(client, tr, part.group)[part.first:part.first + len(part.block_ids)]
         if self._pages is not None:
-            return self._load_in_place(client, keys, part.block_ids, self._pages[part.group])
+            return self._load_in_place(client, keys, part.block_ids, self._pages[part.group], tr.remote, timeout,
+                                       counts)
         caches = self.groups[part.group]
         buf = self._buffer(pool, len(keys))
-        n = client.get(self.s.pool, keys, buf, timeout=self.s.call_timeout_s)
+        n = client.get(self.s.pool, keys, buf, remote=tr.remote, counts=counts, timeout=timeout)
         if n:
             scatter_blocks(block_view(buf, len(caches), self.page), caches, self._ids(part.block_ids[:n]))
         return n
 
-    def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int], pages: list[np.ndarray]) -> int:
+    def _load_in_place(self, client, keys: list[bytes], block_ids: Sequence[int], pages: list[np.ndarray],
+                       remote: bool, timeout: float, counts: ReadCounts) -> int:
         step = pages[0].shape[1]
         # A timed-out call returns while its copy threads may still run: past that point they
         # must not write into pages vLLM will recompute (a page in flight is one 128 KiB copy).
@@ -170,17 +243,34 @@ class WorkerMover:
             return checksum_parts(p[b] for p in pages)
 
         try:
-            return client.get_with(self.s.pool, keys, copy_out, digest, timeout=self.s.call_timeout_s)
+            return client.get_with(self.s.pool, keys, copy_out, digest, remote=remote, counts=counts, timeout=timeout)
         except BaseException:
             abandoned.set()
             raise
 
     # --- saves -----------------------------------------------------------------------------------
 
+    def step_started(self, step_tokens: int) -> None:
+        self._step_started, self._step_tokens, self._step_sync_s = time.monotonic(), step_tokens, 0.0
+
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Stage the saves after the forward pass, and time that pass: a step of mostly prefill
+        (PREFILL_STEP_TOKENS or more) tells the scheduler what recomputing costs."""
+        if self._step_tokens >= PREFILL_STEP_TOKENS and self._step_started:
+            s = time.monotonic() - self._step_started - self._step_sync_s
+            if s > 0:
+                self.link.counters.add("prefill_tokens", self._step_tokens)
+                self.link.counters.add("prefill_us", int(s * 1e6))
+        self._step_tokens = 0
         for tr in transfers:
             for part in tr.parts:
                 self.link.guard("save", None, lambda c, tr=tr, p=part: self._save_one(c, tr, p))
+            if tr.final:
+                self.sent.add(tr.req_id)
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _save_one(self, client, tr: BlockTransfer, part: GroupPart) -> None:
         pool = self._usable(client)
