@@ -113,8 +113,10 @@ def serve(args: argparse.Namespace) -> None:
         from vllm.config.kv_events import KVEventsConfig
 
         extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
-              enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=4,
+              enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0,
               served_model_name=args.served_model_name or None, tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=json.loads(args.speculative_config) if args.speculative_config else None, **extra)
@@ -123,15 +125,27 @@ def serve(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         req = json.loads(line)
-        prompt = {"prompt_token_ids": req["prompt"]}
-        if req.get("cache_salt"):
-            prompt["cache_salt"] = req["cache_salt"]
-        params = SamplingParams(max_tokens=int(req.get("max_tokens", 8)), temperature=0.0, ignore_eos=True)
+        batch = req["batch"] if "batch" in req else [req]  # a batch: run together, as one engine's load
+        prompts, params = [], []
+        for r in batch:
+            prompt = {"prompt_token_ids": r["prompt"]}
+            if r.get("cache_salt"):
+                prompt["cache_salt"] = r["cache_salt"]
+            prompts.append(prompt)
+            extra_args = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+            params.append(SamplingParams(max_tokens=int(r.get("max_tokens", 8)), temperature=0.0, ignore_eos=True,
+                                         logprobs=1 if r.get("logprobs") else None, extra_args=extra_args))
         t0 = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        answer("KVTIER-RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids),
-                                              "cached": int(out.num_cached_tokens or 0), "seconds": dt}))
+        results = []
+        for out in outs:
+            o = out.outputs[0]
+            res = {"tokens": list(o.token_ids), "cached": int(out.num_cached_tokens or 0), "seconds": dt}
+            if o.logprobs is not None:  # the chosen token's logprob at each step
+                res["logprobs"] = [float(step[t].logprob) for t, step in zip(o.token_ids, o.logprobs)]
+            results.append(res)
+        answer("KVTIER-RESULT " + json.dumps(results if "batch" in req else results[0]))
 
 
 ENGINE_START_S = 180.0  # a cold start on 2 busy cores; about 20 s when the machine is idle
@@ -148,8 +162,13 @@ class EngineProcess:
     def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None = None,
                  prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None,
                  served_model_name: str = "", speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_mib: int = 0, max_num_seqs: int = 0,
+                 max_num_batched_tokens: int = 0) -> None:
         cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
+        for flag, v in (("--kv-cache-mib", kv_cache_mib), ("--max-num-seqs", max_num_seqs),
+                        ("--max-num-batched-tokens", max_num_batched_tokens)):
+            if v:
+                cmd += [flag, str(v)]
         if served_model_name:
             cmd += ["--served-model-name", served_model_name]
         if tensor_parallel_size != 1:
@@ -194,12 +213,20 @@ class EngineProcess:
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
 
-    def generate(self, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None) -> dict:
+    def generate(self, prompt: list[int], max_tokens: int = 8, cache_salt: str | None = None, *,
+                 logprobs: bool = False, kv_transfer_params: dict | None = None) -> dict:
+        return self._ask({"prompt": prompt, "max_tokens": max_tokens, "cache_salt": cache_salt,
+                          "logprobs": logprobs, "kv_transfer_params": kv_transfer_params})
+
+    def generate_batch(self, requests: list[dict], timeout: float = 300.0) -> list[dict]:
+        """Requests (generate's fields as a dict each) run together in one `LLM.generate`."""
+        return self._ask({"batch": requests}, timeout)
+
+    def _ask(self, req: dict, timeout: float = REQUEST_S):
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"prompt": prompt, "max_tokens": max_tokens,
-                                           "cache_salt": cache_salt}) + "\n").encode())
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
-        return json.loads(self._expect("KVTIER-RESULT", REQUEST_S))
+        return json.loads(self._expect("KVTIER-RESULT", timeout))
 
     def log_tail(self, n: int = 6000) -> str:
         if not self._log.closed:
@@ -246,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--served-model-name", default="", help="the name vLLM serves the model as")
     sv.add_argument("--speculative-config", default="", help="vLLM's speculative_config as JSON")
     sv.add_argument("--tensor-parallel-size", type=int, default=1)
+    sv.add_argument("--max-num-seqs", type=int, default=4)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = ap.parse_args(argv)
     if args.cmd == "make-model":
         print(make_model(args.dir))

@@ -286,6 +286,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a best-effort cache: a dropped save is a future miss, never an error
 
     def shutdown(self) -> None:
+        if self._planner is not None:
+            self._planner.report(now_too=True)
         if self._mover is not None:
             self._mover.close()
         self._link.close()

@@ -231,11 +231,10 @@ class SchedulerPlanner:
         t.saved = max(t.saved, end)
 
     def redis_tokens(self, request) -> int:
-        t = self.reqs.get(request.request_id)
-        return 0 if t is None else t.redis_tokens
+        return t.redis_tokens if (t := self.reqs.get(request.request_id)) else 0
 
     def build(self, scheduler_output) -> TransferPlan:
-        self._report()
+        self.report()
         plan = TransferPlan(loads=self.loads, saves=self.final_saves,
                             step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         self.loads, self.final_saves = [], []
@@ -252,7 +251,8 @@ class SchedulerPlanner:
             if t is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in cached.resumed_req_ids:  # preempted, then scheduled again
+                self.link.counters.add("resumed_requests")
                 t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
                 if not t.block_ids:
@@ -337,11 +337,11 @@ class SchedulerPlanner:
         if data.get("prefill_us", 0):
             self.costs.observe_prefill(data.get("prefill_tokens", 0), data["prefill_us"] / 1e6)
 
-    def _report(self) -> None:
-        """The scheduler's counts, one log line a minute when they moved (the workers' go to
-        vLLM's connector stats)."""
+    def report(self, now_too: bool = False) -> None:
+        """The scheduler's counts, a log line a minute when they moved, and at shutdown (the
+        workers' go to vLLM's connector stats)."""
         now = self.clock()
-        if now < self._next_report:
+        if now < self._next_report and not now_too:
             return
         self._next_report = now + REPORT_S
         counts = self.link.counters.snapshot()
