@@ -163,10 +163,10 @@ class EngineProcess:
                  prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None,
                  served_model_name: str = "", speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, kv_cache_mib: int = 0, max_num_seqs: int = 0,
-                 max_num_batched_tokens: int = 0) -> None:
+                 max_num_batched_tokens: int = 0, max_model_len: int = 0) -> None:
         cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
         for flag, v in (("--kv-cache-mib", kv_cache_mib), ("--max-num-seqs", max_num_seqs),
-                        ("--max-num-batched-tokens", max_num_batched_tokens)):
+                        ("--max-num-batched-tokens", max_num_batched_tokens), ("--max-model-len", max_model_len)):
             if v:
                 cmd += [flag, str(v)]
         if served_model_name:

@@ -290,4 +290,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._planner.report(now_too=True)
         if self._mover is not None:
             self._mover.close()
+            counts = self._link.counters.snapshot()
+            log.info("kvtier: worker %s", " ".join(f"{k}={v}" for k, v in counts.items() if v))
         self._link.close()
