@@ -215,9 +215,11 @@ def _interrupt(signum, _frame) -> None:
 
 
 def run_demo(args) -> int:
-    # SIGTERM/SIGHUP stop the demo like Ctrl-C does, through the same cleanup.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)
+    # SIGTERM/SIGHUP stop the demo like Ctrl-C does, through the same cleanup. SIGINT is set too:
+    # a process started in the background by a non-interactive shell inherits it ignored, and
+    # Python then leaves it so (the demo would not stop on Ctrl-C or `kill -INT`).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     rdir = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
     env = dict(os.environ)
     env.update({
