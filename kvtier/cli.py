@@ -227,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the prefill-saved scenario instead: client processes replay a shared-prompt trace")
     b.add_argument("--vllm", action="store_true",
                    help="measure the vLLM connector and secondary tier against kvtier's own get/put, and TTFT "
-                        "with a prefix from kvtier (needs vLLM; see docs/integrations/vllm.md)")
+                        "on real engines: cold, vLLM's own cache, kvtier's cases, the peer (needs vLLM; see "
+                        "docs/integrations/vllm.md and docs/performance.md)")
+    b.add_argument("--peer", default="", help="with --vllm: the LMCache venv's python (scripts/setup-lmcache-"
+                                              "venv.sh) to run LMCache MP on the same engine and prompts")
+    b.add_argument("--lengths", default="512,2048,4096", help="with --vllm: prefix lengths in tokens")
+    b.add_argument("--samples", type=int, default=5, help="with --vllm: requests per TTFT cell")
     b.add_argument("--cluster", action="store_true",
                    help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
                         "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")

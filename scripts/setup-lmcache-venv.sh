@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
-# Create .venv-lmcache: LMCache 0.5.6 for the peer benchmark (benchmarks/peer_lmcache.py) only.
-# LMCache's wheel pulls CUDA packages and a newer torch if asked for its dependencies, so it goes
-# in with --no-deps beside torch 2.13.0, the CPU build (from /opt/wheels when the machine has it,
-# else the PyTorch CPU index). The benchmark needs only its native RESP client
-# (lmcache.lmcache_redis), which imports with torch alone. Not part of `make test`.
+# Create .venv-lmcache: vLLM's CPU build with LMCache 0.5.6, the peer `kvtier bench --vllm --peer`
+# runs on the same engine, model and prompts (../shared/research/interop.md, section 6). Not part
+# of `make test`. LMCache's in-process connector refuses CPU engines; its multi-process mode (a
+# per-node server with a shared-memory pool, and LMCacheMPConnector) runs.
+#   1. the vLLM venv recipe (scripts/setup-vllm-venv.sh), into .venv-lmcache;
+#   2. lmcache and the one exporter its server imports, --no-deps: their pins (numpy, protobuf,
+#      opentelemetry, prometheus_client) would move vLLM's; none of them breaks this path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-lmcache}
-python=${PYTHON:-python3}
-torch_version=2.13.0
-lmcache_version=0.5.6
-constraints="$PWD/constraints.txt"
-"$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-source scripts/lib-cpu-torch.sh
-install_cpu_torch setup-lmcache
-"${pip[@]}" install -q --no-deps "lmcache==${lmcache_version}"
-"${pip[@]}" install -q -c "$constraints" numpy  # the benchmark's buffers
-"$venv/bin/python" -c 'from lmcache.lmcache_redis import LMCacheRedisClient; print("setup-lmcache: ok")' 2>/dev/null
+scripts/setup-vllm-venv.sh "$venv"
+echo "setup-lmcache: installing lmcache 0.5.6 (--no-deps)"
+"$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps lmcache==0.5.6 \
+    opentelemetry-exporter-prometheus==0.66b2
+"$venv/bin/python" -c "import lmcache, vllm; print('setup-lmcache: lmcache', lmcache.__version__ if hasattr(lmcache, '__version__') else '0.5.6', 'on vllm', vllm.__version__)"

@@ -7,19 +7,20 @@ Rows (row: figure; bound (same run); target):
 - connector load: GB/s, resident blocks -> vLLM pages, verified (the worker's start_load_kv path);
   Client.get of the same bytes; >= 0.7x
 - tier store / load: see kvtier/tools/bench_vllm_tier.py; Client.put / Client.get; >= 0.7x
-- TTFT: node B's time to first token with the prefix loaded from kvtier (through Redis);
-  the same engine on a prompt of the same length with no cached prefix; illustrative on CPU
+- TTFT on real engines (kvtier/tools/bench_ttft.py): cold, vLLM's own prefix cache (the floor),
+  kvtier from this node, on the saving engine's next request, from Redis on another node, a
+  miss, and LMCache MP with `--peer`; targets from issue 29 (worst <= 1.1x the floor, ...)
 
 The connector rows run the worker's own code (`WorkerMover`) over paged caches shaped as vLLM
 lays out Llama-3-8B on a GPU (32 layers of [blocks, 2, 8, 32, 128] bfloat16: 4 MiB per 32-token
-block), without an engine. The TTFT row starts real vLLM engines on the tiny model. `--quick`
-shrinks everything, skips the TTFT row and only checks that every path moves the right bytes.
+block), without an engine. The TTFT rows start real vLLM engines. `--quick` shrinks everything
+(the TTFT cells run on the tiny model, one length, two samples) and only checks that every path
+moves the right bytes and every TTFT cell runs.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvtier.tools.bench_basics import GB
-from kvtier.tools.bench_env import Env, pool_toml
+from kvtier.tools.bench_env import Env
 from kvtier.tools.bench_report import render
 
 PAGED = dict(model="llama3-8b-vllm", layers=32, kv_heads=8, head_dim=128, block_tokens=32, dtype="bfloat16")
@@ -138,45 +139,6 @@ cpu_blocks = {blocks}
         env.close()
 
 
-def ttft_rows(workdir: Path, prompts: int, prompt_tokens: int, out: dict) -> None:
-    """Two nodes on one Redis: node A's engine computes and saves each prefix; a cold engine on
-    node B then gets each prefix with a new tail (loaded through Redis) and, for the bound, an
-    unrelated prompt of the same length (computed)."""
-    import random
-
-    from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model
-
-    model = make_model(workdir / "tiny-llama")
-    pools = pool_toml("tiny", {"model": "tiny-llama", **TINY_POOL}, "cpu", 64, 4 * prompts * prompt_tokens // 32 + 64)
-    a = Env(None, 0, workdir / "a", pools_toml=pools, policy_toml='[policy]\nredis_write = "write-through"')
-    b = Env(None, 0, workdir / "b", pools_toml=pools, redis_url=a.url)
-    rng = random.Random(3)
-    draw = lambda k: [rng.randrange(3, 512) for _ in range(k)]  # noqa: E731
-    prefixes = [draw(prompt_tokens - 40) for _ in range(prompts)]
-    try:
-        _say(f"node A: computing {prompts} prefixes of {prompt_tokens - 40} tokens")
-        with EngineProcess(model, workdir / "engine-a.log", connector_config("tiny", a.rdir)) as e:
-            for p in prefixes:
-                e.generate(p + draw(40), max_tokens=1)
-        need = prompts * ((prompt_tokens - 1) // 32)
-        Env.wait_for(lambda: a.stats().get("pools", {}).get("tiny", {}).get("tiers", {}).get("redis", {})
-                     .get("copied_in", 0) >= need, "node A's write-through to Redis", timeout=120)
-        _say("node B: time to first token, prefix from kvtier vs none")
-        cached, fresh, hits = [], [], []
-        with EngineProcess(model, workdir / "engine-b.log", connector_config("tiny", b.rdir)) as e:
-            e.generate(draw(prompt_tokens), max_tokens=1)  # warm-up: the first request pays one-off costs
-            for p in prefixes:
-                res = e.generate(p + draw(40), max_tokens=1)
-                cached.append(res["seconds"])
-                hits.append(res["cached"])
-                fresh.append(e.generate(draw(prompt_tokens), max_tokens=1)["seconds"])
-        out["ttft"] = {"prompt_tokens": prompt_tokens, "cached_tokens": hits,
-                       "cached_ms": statistics.median(cached) * 1000, "fresh_ms": statistics.median(fresh) * 1000}
-    finally:
-        b.close()
-        a.close()
-
-
 def table(out: dict) -> list[dict]:
     rows = []
 
@@ -194,10 +156,10 @@ def table(out: dict) -> list[dict]:
             x, b = t[f"{what}_gbps"], t[f"bound_{bound}_gbps"]
             row(f"secondary tier {what}", f"{x:.2f} GB/s", f"Client.{bound} {b:.2f} GB/s", x / b, ">= 0.7x",
                 x / b >= 0.7)
-    if "ttft" in out:
-        t = out["ttft"]
-        row(f"TTFT, {t['prompt_tokens']}-token prompt, prefix via Redis", f"{t['cached_ms']:.1f} ms",
-            f"no cached prefix {t['fresh_ms']:.1f} ms", t["cached_ms"] / t["fresh_ms"], "illustrative (CPU)", True)
+    if "ttft_cells" in out:
+        from kvtier.tools.bench_ttft import ttft_rows
+
+        rows += ttft_rows(out)
     return rows
 
 
@@ -224,10 +186,17 @@ def run_vllm_bench(args) -> int:
         _say(f"secondary tier: {n} chunks of {chunk >> 10} KiB")
         (tmp / "t").mkdir()
         tier_rows(tmp / "t", chunk, n if not quick else 16, rounds, out)
-        if not quick:  # --quick checks bytes only; the engine tests cover the engine path
-            for d in ("a", "b"):
-                (tmp / d).mkdir()
-            ttft_rows(tmp, 3, 3200, out)
+        from kvtier.tools.bench_ttft import ttft_cells
+
+        # --quick: one short length on the tiny model, two samples, no peer: every cell runs, no
+        # figure is judged.
+        lengths = [256] if quick else [int(x) for x in str(getattr(args, "lengths", "512,2048,4096")).split(",")]
+        samples = 2 if quick else max(1, int(getattr(args, "samples", 5)))
+        peer = None if quick else (getattr(args, "peer", "") or None)
+        _say(f"TTFT on real engines: prefixes of {lengths} tokens, {samples} samples a cell"
+             + (f", peer LMCache MP ({peer})" if peer else ", no peer (--peer)"))
+        (tmp / "ttft").mkdir()
+        ttft_cells(tmp / "ttft", lengths, samples, quick=quick, peer_python=peer, out=out)
     out["rows"] = table(out)
     print(render(out["rows"]))
     if args.json:

@@ -115,7 +115,7 @@ def serve(args: argparse.Namespace) -> None:
         extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype="float32",
+    llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
               enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0,
               served_model_name=args.served_model_name or None, tensor_parallel_size=args.tensor_parallel_size,
@@ -163,8 +163,12 @@ class EngineProcess:
                  prefix_caching: bool = True, env: dict | None = None, kv_events_config: dict | None = None,
                  served_model_name: str = "", speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, kv_cache_mib: int = 0, max_num_seqs: int = 0,
-                 max_num_batched_tokens: int = 0, max_model_len: int = 0) -> None:
-        cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
+                 max_num_batched_tokens: int = 0, max_model_len: int = 0, dtype: str = "",
+                 python: str | None = None) -> None:
+        # `python`: another venv's interpreter (the LMCache peer runs in .venv-lmcache).
+        cmd = [python or sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
+        if dtype:
+            cmd += ["--dtype", dtype]
         for flag, v in (("--kv-cache-mib", kv_cache_mib), ("--max-num-seqs", max_num_seqs),
                         ("--max-num-batched-tokens", max_num_batched_tokens), ("--max-model-len", max_model_len)):
             if v:
@@ -274,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--speculative-config", default="", help="vLLM's speculative_config as JSON")
     sv.add_argument("--tensor-parallel-size", type=int, default=1)
     sv.add_argument("--max-num-seqs", type=int, default=4)
+    sv.add_argument("--dtype", default="float32", help="the model's compute dtype (and the KV cache's)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = ap.parse_args(argv)
     if args.cmd == "make-model":

@@ -14,6 +14,7 @@ process) and mover (worker processes) out. It is the only place that imports vLL
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner: SchedulerPlanner | None = None
         self._mover: WorkerMover | None = None
         self._load_errors: set[int] = set()
+        self._recent_finished: deque[set[str]] = deque(maxlen=16)  # finished_req_ids of recent steps
         self._reported: dict[str, int] = {}
         try:
             ns = key_namespace(vllm_config, kv_cache_config, settings.weights_id)
@@ -247,9 +249,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         recving, failed = self._mover.finished_loads()
         self._load_errors |= failed
-        # A finished request's last save comes in the same step as its id in finished_req_ids
-        # (both from the schedule() after request_finished), as vLLM requires of what we report.
-        sending = self._mover.sent & finished_req_ids
+        # A finished request's last save comes in the step whose finished_req_ids names it (both
+        # from the schedule() after request_finished); with speculative drafts wait_for_save runs
+        # after this call, so the save is reported a step later: recent steps' ids are kept.
+        self._recent_finished.append(set(finished_req_ids))
+        sending = {r for r in self._mover.sent if any(r in ids for ids in self._recent_finished)}
         self._mover.sent -= sending
         return sending or None, recving or None
 
