@@ -233,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "venv.sh) to run LMCache MP on the same engine and prompts")
     b.add_argument("--lengths", default="512,2048,4096", help="with --vllm: prefix lengths in tokens")
     b.add_argument("--samples", type=int, default=5, help="with --vllm: requests per TTFT cell")
+    b.add_argument("--burst-rounds", type=int, default=2, help="with --vllm: rounds of the burst table")
     b.add_argument("--cluster", action="store_true",
                    help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
                         "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")

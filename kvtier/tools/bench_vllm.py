@@ -160,6 +160,10 @@ def table(out: dict) -> list[dict]:
         from kvtier.tools.bench_ttft import ttft_rows
 
         rows += ttft_rows(out)
+    if "burst" in out:
+        from kvtier.tools.bench_burst import burst_rows
+
+        rows += burst_rows(out)
     return rows
 
 
@@ -197,6 +201,12 @@ def run_vllm_bench(args) -> int:
              + (f", peer LMCache MP ({peer})" if peer else ", no peer (--peer)"))
         (tmp / "ttft").mkdir()
         ttft_cells(tmp / "ttft", lengths, samples, quick=quick, peer_python=peer, out=out)
+        from kvtier.tools.bench_burst import burst_cells
+
+        rounds = 1 if quick else max(1, int(getattr(args, "burst_rounds", 2)))
+        _say(f"under load: a burst of cached prefixes beside decoders, {rounds} round(s)")
+        (tmp / "burst").mkdir()
+        burst_cells(tmp / "burst", quick=quick, rounds=rounds, peer_python=peer, out=out)
     out["rows"] = table(out)
     print(render(out["rows"]))
     if args.json:

@@ -115,6 +115,8 @@ def serve(args: argparse.Namespace) -> None:
         extra["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.attention_backend:
+        extra["attention_backend"] = args.attention_backend
     llm = LLM(model=args.model, block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
               enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=kv, seed=0,
@@ -164,11 +166,13 @@ class EngineProcess:
                  served_model_name: str = "", speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, kv_cache_mib: int = 0, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, max_model_len: int = 0, dtype: str = "",
-                 python: str | None = None) -> None:
+                 python: str | None = None, attention_backend: str = "") -> None:
         # `python`: another venv's interpreter (the LMCache peer runs in .venv-lmcache).
         cmd = [python or sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
         if dtype:
             cmd += ["--dtype", dtype]
+        if attention_backend:
+            cmd += ["--attention-backend", attention_backend]
         for flag, v in (("--kv-cache-mib", kv_cache_mib), ("--max-num-seqs", max_num_seqs),
                         ("--max-num-batched-tokens", max_num_batched_tokens), ("--max-model-len", max_model_len)):
             if v:
@@ -185,6 +189,9 @@ class EngineProcess:
             cmd += ["--kv-events-config", json.dumps(kv_events_config)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
+        self._spawn(cmd, log_path, env)
+
+    def _spawn(self, cmd: list[str], log_path: Path, env: dict | None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -226,6 +233,9 @@ class EngineProcess:
         """Requests (generate's fields as a dict each) run together in one `LLM.generate`."""
         return self._ask({"batch": requests}, timeout)
 
+    def ask(self, req: dict, timeout: float = REQUEST_S):
+        return self._ask(req, timeout)
+
     def _ask(self, req: dict, timeout: float = REQUEST_S):
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
@@ -261,6 +271,24 @@ class EngineProcess:
         self.stop()
 
 
+class StreamEngineProcess(EngineProcess):
+    """kvtier/tools/vllm_stream_engine.py in its own process (AsyncLLM, streamed timestamps): `ask`
+    it {"prime": [...]} or {"decoders": [...], "burst": [...]}."""
+
+    def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None = None, *,
+                 prefix_caching: bool = False, dtype: str = "bfloat16", max_model_len: int = 4096,
+                 kv_cache_mib: int = 512, max_num_seqs: int = 16, max_num_batched_tokens: int = 0,
+                 python: str | None = None, env: dict | None = None) -> None:
+        cmd = [python or sys.executable, "-m", "kvtier.tools.vllm_stream_engine", "--model", str(model),
+               "--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-mib", str(kv_cache_mib),
+               "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
+        self._spawn(cmd, log_path, env)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvtier.tools.vllm_engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -279,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--tensor-parallel-size", type=int, default=1)
     sv.add_argument("--max-num-seqs", type=int, default=4)
     sv.add_argument("--dtype", default="float32", help="the model's compute dtype (and the KV cache's)")
+    sv.add_argument("--attention-backend", default="", help="vLLM's attention backend by name (default: its choice)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = ap.parse_args(argv)
     if args.cmd == "make-model":

@@ -126,6 +126,10 @@ def test_a_load_whose_redis_hangs_is_given_up_at_its_deadline_and_counted(nodes)
     counts = b.link.counters.snapshot()
     assert counts["load_deadline_missed"] == 1 and counts["load_failed_blocks"] == 6
     assert b.link.client() is not None  # a slow read is not a lost daemon
+    # vLLM hands a request whose load failed whole back to the lookup (its blocks released): it
+    # is recomputed, not promised the same blocks again (an endless load-fail loop otherwise).
+    b.planner.loads_over({"b"}, done[1])
+    assert b.planner.matched_tokens(r, 0) == (0, False)
 
 
 def test_a_lookup_that_times_out_is_asked_again_next_step(nodes):
@@ -181,3 +185,15 @@ def test_decode_blocks_are_saved_and_a_finished_requests_last_ones_hold_its_bloc
     p.build(step(new=[("o", [8, 9, 10], len(prompt))]))
     assert p.build(step(cached=[("o", [11, 12], len(prompt) + 2 * BS, 1)])).saves == []
     assert not p.finished(request("o", tokens, len(prompt), computed=len(tokens) - 1), ([8, 9, 10, 11, 12, 13],))
+
+
+def test_blocks_that_load_slower_than_they_recompute_are_left_out_and_counted(nodes):
+    a, b, _ = nodes
+    saved_on_a(a)
+    # What the workers measured: Redis moves a block in 20 ms, the engine computes 32 tokens in 1 ms.
+    block = 2 * 2 * HEADS * BS * DIM * 2
+    b.planner.workers_report({"load_us": 200_000, "load_local_blocks": 0, "load_remote_blocks": 10,
+                              "prefill_tokens": 32_000, "prefill_us": 1_000_000})
+    assert b.planner.costs.redis.value == pytest.approx(10 * block / 0.2)
+    assert b.planner.matched_tokens(request("b", PROMPT), 0) == (0, False)  # recompute: cheaper
+    assert b.link.counters.snapshot()["load_not_worth_blocks"] == 6

@@ -21,6 +21,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.daemon_process import DaemonProcess
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
+from kvtier.tools.vllm_engine import connector_config as engine_connector_config
 from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
 
@@ -42,6 +43,15 @@ PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(
 
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:
     return bench_pool_toml(name, {"model": "tiny-llama", **TINY_POOL, **layout}, "cpu", gpu_blocks, cpu_blocks)
+
+
+def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extra) -> dict:
+    """The connector's config for these tests, with its cost model off: on the tiny model
+    recomputing a block costs about what loading it does, so the cost model (measured figures)
+    may leave a load out, and a test of where blocks come from must see every one it could load.
+    The cost model is tested on its own (tests/unit/test_load_cost.py,
+    tests/integration/test_connector_loads.py)."""
+    return engine_connector_config(pool, runtime_dir, role, **{"cost_model": False, **extra})
 
 
 @pytest.fixture(scope="session")

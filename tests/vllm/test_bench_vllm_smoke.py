@@ -31,3 +31,8 @@ def test_bench_vllm_quick_checks_every_path(tmp_path):
     assert loaded == {"cold": [0, 0], "floor": [256, 256], "kvtier_local": [256, 256], "kvtier_next": [256, 256],
                       "kvtier_redis": [256, 256], "kvtier_miss": [0, 0]}
     assert "| TTFT kvtier_redis, 256-token prefix" in run.stdout
+    # The burst beside decoders: every placement ran, every prefix loaded whole, the decoders'
+    # gaps while the burst was served were seen.
+    burst = res["burst"]["cells"]
+    assert set(burst) == {"floor", "kvtier_local", "kvtier_half_redis"}
+    assert all(c["runs"] == 1 and c["not_fully_loaded"] == 0 and c["itl_samples"] > 0 for c in burst.values())

@@ -17,9 +17,9 @@ import shutil
 
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_config, make_model
+from kvtier.tools.vllm_engine import EngineProcess, make_model
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS
+from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config
 
 pytestmark = pytest.mark.timeout(900)  # the module's fixtures start five engines
 

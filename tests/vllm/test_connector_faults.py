@@ -8,9 +8,9 @@ import pytest
 from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable
-from kvtier.tools.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, pool_toml
+from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config, pool_toml
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -27,13 +27,12 @@ from kvtier.store.redis_blocks import redis_block_key
 from kvtier.tools.vllm_engine import (
     TINY,
     EngineProcess,
-    connector_config,
     make_eagle_draft,
     make_mla_model,
     make_model,
 )
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, PROMPTS, pool_toml
+from tests.vllm.conftest import BS, PROMPTS, connector_config, pool_toml
 
 POOL_HYBRID = "tiny-hybrid"  # one layer per KV-cache group: a block is one group's page
 POOL_EAGLE = "tiny-eagle"  # the target's 2 layers and the EAGLE drafter's 1, in one KV-cache group
@@ -125,7 +124,10 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
     rec["eagle_manifest"] = [ManifestEntry.from_json(v) for v in r.hgetall(manifest_key(POOL_EAGLE)).values()]
     mla_node = node_factory("vllm-mla", pools=pool_toml(POOL_MLA, kv_heads=1, head_dim=288, block_tokens=MLA_BS))
     mla = make_mla_model(tmp_path_factory.mktemp("mla"))
-    with EngineProcess(mla, logs / "mla.log", connector_config(POOL_MLA, mla_node.runtime_dir)) as e:
+    # vLLM's reference CPU MLA backend: where the CPU has AMX tiles vLLM picks its AMX backend,
+    # which packs bf16 weights only, and this tiny model runs in float32.
+    with EngineProcess(mla, logs / "mla.log", connector_config(POOL_MLA, mla_node.runtime_dir),
+                       attention_backend="CPU_MLA") as e:
         rec["mla_first"] = e.generate(P1)
         wait_until(lambda: resident(mla_node, POOL_MLA, 22), timeout=30, message="the MLA model's 22 blocks stored")
         rec["mla_repeat"] = e.generate(P1)

@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL
+from tests.vllm.conftest import BS, POOL, connector_config
 
 pytestmark = pytest.mark.timeout(900)
 

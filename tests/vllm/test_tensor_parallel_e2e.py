@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_config
+from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, PROMPTS, pool_toml
+from tests.vllm.conftest import BS, PROMPTS, connector_config, pool_toml
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -210,8 +210,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return KvtierConnectorMetadata(plan.loads, plan.saves, plan.step_tokens)
 
     def update_connector_output(self, connector_output) -> None:
+        if self._planner is None:
+            return
+        self._planner.loads_over(connector_output.finished_recving, connector_output.invalid_block_ids)
         stats = getattr(connector_output, "kv_connector_stats", None)
-        if self._planner is not None and stats is not None and stats.data:
+        if stats is not None and stats.data:
             self._planner.workers_report(stats.data)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

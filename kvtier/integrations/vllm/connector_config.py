@@ -37,6 +37,7 @@ class ConnectorSettings:
     read_through: bool = True  # load the part of a prefix only Redis holds, straight from Redis
     load_async: bool = True  # loads run beside the engine's steps (vLLM's WAITING_FOR_REMOTE_KVS)
     save_decode: bool = True  # save the full blocks decoding produces too, not the prompt's only
+    cost_model: bool = True  # load only what beats recomputing it (False: whatever kvtier holds)
     retry_s: float = 5.0  # after the daemon was unreachable, how long until the next try
     staging_blocks: int = 128  # the client's staging slots, one block of /dev/shm each
     call_timeout_s: float = 5.0  # bound on one worker-side get or put
@@ -76,7 +77,7 @@ class ConnectorSettings:
                     errors.append(f"'{name}' must be an integer >= 1")
                 else:
                     values[name] = v
-        for name in ("read_through", "load_async", "save_decode"):
+        for name in ("read_through", "load_async", "save_decode", "cost_model"):
             if name in extra:
                 v = extra.pop(name)
                 if not isinstance(v, bool):
@@ -85,7 +86,8 @@ class ConnectorSettings:
                     values[name] = v
         if extra:
             errors.append(f"unknown keys {sorted(extra)} (known: pool, runtime_dir, lookup_timeout_ms, lookup_tries, "
-                          "read_through, load_async, save_decode, retry_ms, call_timeout_ms, save_wait_ms, "
+                          "read_through, load_async, save_decode, cost_model, retry_ms, call_timeout_ms, "
+                          "save_wait_ms, "
                           "staging_blocks, weights_id)")
         if errors:
             raise ConnectorConfigError("kvtier connector kv_connector_extra_config: " + "; ".join(errors))

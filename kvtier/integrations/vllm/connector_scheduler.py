@@ -25,37 +25,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.load_cost import LoadCosts
+from kvtier.core.load_cost import LoadCosts, LoadPlan
 from kvtier.integrations.link import EngineLink
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt, request_opt_outs
+from kvtier.integrations.vllm.connector_requests import MAX_LOADS, TrackedRequest
 from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart, TransferPlan
 from kvtier.integrations.vllm.kv_groups import GroupRule, complete_prefix, held_part
 from kvtier.integrations.vllm.own_saves import OwnSaves
 
 REPORT_S = 60.0
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Any  # vLLM's Request (this process's): its tokens and computed count as they grow
-    prompt: tuple[int, ...]
-    cache_salt: str | None
-    lora_name: str | None
-    save: bool = True  # kv_transfer_params may opt a request out of saves, or of decode saves
-    save_decode: bool = True
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
-    saved: int = 0  # leading blocks already in kvtier or handed to it
-    local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us
-    keys: list[list[bytes]] | None = None  # per chain (rank-major, then group), as far as hashed
-    reach: int | None = None  # how far Redis and this node together hold the prefix (asked once)
-    tries: int = 0  # Redis lookups tried
-    held_for_own: bool = False  # held back a step or more for this engine's own saves
-    promised: tuple[int, int, float] | None = None  # (end block, first block from Redis, deadline s)
-    redis_tokens: int = 0  # of the last load, tokens read through from Redis
 
 
 class SchedulerPlanner:
@@ -80,7 +61,7 @@ class SchedulerPlanner:
         # that far (and one more token) behind.
         self.unconfirmed = spec_tokens + 1 if spec_tokens else 0
         self.costs = LoadCosts(max(block_bytes, 1), ns.block_size, ceiling_s=settings.call_timeout_s)
-        self.reqs: dict[str, _Tracked] = {}
+        self.reqs: dict[str, TrackedRequest] = {}
         self.loads: list[BlockTransfer] = []  # planned at allocation, sent with the next metadata
         self.final_saves: list[BlockTransfer] = []  # of finished requests whose blocks vLLM holds for them
         self.own = OwnSaves(clock=clock)  # blocks this engine handed over and has not seen placed
@@ -89,18 +70,18 @@ class SchedulerPlanner:
 
     # --- keys ------------------------------------------------------------------------------------
 
-    def _track(self, request) -> _Tracked:
+    def _track(self, request) -> TrackedRequest:
         t = self.reqs.get(request.request_id)
         if t is None:
             lora = getattr(request, "lora_request", None)
             save, save_decode = request_opt_outs(getattr(request, "kv_transfer_params", None))
-            t = _Tracked(request, tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
+            t = TrackedRequest(request, tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
                          None if lora is None else str(lora.lora_name), save, save_decode and self.s.save_decode)
             self.reqs[request.request_id] = t
             self.link.counters.add("lookups")
         return t
 
-    def _keys(self, client, t: _Tracked, n_blocks: int, tokens: Sequence[int] | None = None) -> list[list[bytes]]:
+    def _keys(self, client, t: TrackedRequest, n_blocks: int, tokens: Sequence[int] | None = None) -> list[list[bytes]]:
         """Each chain's keys for the first n_blocks blocks of the request's tokens (hashed once
         per request and extended as it grows: the prompt is the start of its tokens)."""
         if t.keys is None or len(t.keys[0]) < n_blocks:
@@ -119,6 +100,8 @@ class SchedulerPlanner:
         t.promised = None
         if not self.do_load or getattr(request, "mm_features", None) or not t.prompt:
             return 0, False  # multimodal placeholders are not the content: their keys would lie
+        if t.load_failed or t.loads >= MAX_LOADS:  # vLLM asks again after a failed load: recompute
+            return 0, False
         # vLLM must compute at least one token itself, so the last prompt token is never loaded.
         max_blocks = (len(t.prompt) - 1) // self.block_size
         done = num_computed_tokens // self.block_size
@@ -143,7 +126,8 @@ class SchedulerPlanner:
                     return None, False
                 r = local  # still no answer: this request goes on with what the node holds
             reach = max(local, r)
-        plan = self.costs.plan(max(0, local - done), max(0, reach - max(local, done)))
+        here, there = max(0, local - done), max(0, reach - max(local, done))
+        plan = self.costs.plan(here, there) if self.s.cost_model else LoadPlan(here, there, self.costs.ceiling_s, 0)
         self.link.counters.add("load_not_worth_blocks", plan.not_worth)
         end = done + plan.local + plan.remote
         if end <= done:
@@ -151,7 +135,7 @@ class SchedulerPlanner:
         t.promised = (end, max(local, done), plan.deadline_s)
         return end * self.block_size - num_computed_tokens, self.s.load_async
 
-    def _resident(self, client, t: _Tracked, max_blocks: int) -> tuple[int, list[list[bytes]], int]:
+    def _resident(self, client, t: TrackedRequest, max_blocks: int) -> tuple[int, list[list[bytes]], int]:
         """The leading blocks this node holds whole (every chain's part that a load needs), each
         chain's keys, and how far that prefix reaches once this engine's own saves are placed."""
         keys = self._keys(client, t, max_blocks)
@@ -167,7 +151,7 @@ class SchedulerPlanner:
             return local, keys, local
         return local, keys, complete_prefix(self.chain_rules, self.own.landing(keys, present), max_blocks)
 
-    def _redis_reach(self, t: _Tracked, keys: list[list[bytes]]) -> int | None:
+    def _redis_reach(self, t: TrackedRequest, keys: list[list[bytes]]) -> int | None:
         """How far every chain's prefix can be read, from this node or Redis (one bounded round
         trip per chain, asked once per request; None: it timed out, ask again). A sliding-window
         group's run is asked from its first block: older parts Redis lost cost a miss here, never
@@ -225,6 +209,8 @@ class SchedulerPlanner:
         if refused:
             log.error("kvtier: request %s: vLLM's blocks for groups %s do not cover the window the load needs; "
                       "recomputing it", request.request_id, [p.group for p in parts])
+        t.loads += 1
+        t.loading = frozenset(b for p in parts for b in p.block_ids)
         self.loads.append(BlockTransfer(request.request_id, t.prompt[: end * self.block_size], t.cache_salt,
                                         t.lora_name, parts, refused, remote=end > from_redis, deadline_s=deadline,
                                         asynchronous=asynchronous))
@@ -263,11 +249,11 @@ class SchedulerPlanner:
             self._plan(plan, t, computed, computed + scheduler_output.num_scheduled_tokens[req_id])
         return plan
 
-    def _held(self, t: _Tracked) -> int:
+    def _held(self, t: TrackedRequest) -> int:
         """How many leading blocks vLLM has allocated in every group."""
         return min((len(ids) for ids in t.block_ids), default=0) if len(t.block_ids) == len(self.rules) else 0
 
-    def _parts(self, t: _Tracked, first: int, end: int, *, load: bool) -> tuple[GroupPart, ...]:
+    def _parts(self, t: TrackedRequest, first: int, end: int, *, load: bool) -> tuple[GroupPart, ...]:
         """Each group's blocks of [first, end) that a transfer moves: a load only those the
         group keeps for `end` blocks; a save every computed one (each block of a sliding group
         is in some longer prefix's window). Never a null block."""
@@ -278,7 +264,7 @@ class SchedulerPlanner:
                 parts.append(GroupPart(g, lo, held))
         return tuple(parts)
 
-    def _save_upto(self, t: _Tracked, confirmed: int, computed_after_step: int) -> tuple[int, tuple[int, ...]]:
+    def _save_upto(self, t: TrackedRequest, confirmed: int, computed_after_step: int) -> tuple[int, tuple[int, ...]]:
         """How many leading blocks can be saved once this step ran, and their tokens: the prompt's
         computed ones, and with save_decode the confirmed tokens' (prompt and output) too."""
         tokens: Sequence[int] = t.prompt
@@ -292,21 +278,22 @@ class SchedulerPlanner:
         n = min(upto // self.block_size, held)
         return n, tuple(tokens[: n * self.block_size])
 
-    def _plan(self, plan: TransferPlan, t: _Tracked, confirmed: int, computed_after_step: int) -> None:
+    def _plan(self, plan: TransferPlan, t: TrackedRequest, confirmed: int, computed_after_step: int) -> None:
         if not (self.do_save and t.save):
             return
         upto, tokens = self._save_upto(t, confirmed, computed_after_step)
         if upto > t.saved:
             plan.saves.append(self._save(t, upto, tokens))
 
-    def _save(self, t: _Tracked, upto: int, tokens: tuple[int, ...], *, final: bool = False) -> BlockTransfer:
+    def _save(self, t: TrackedRequest, upto: int, tokens: tuple[int, ...], *, final: bool = False) -> BlockTransfer:
         parts = self._parts(t, t.saved, upto, load=False)
         if self.do_load:  # a producer-only engine never looks its saves up
             self.link.guard("save plan", None, lambda c: self._note_own(c, t, upto, parts, tokens))
         t.saved = upto
         return BlockTransfer(t.request.request_id, tokens, t.cache_salt, t.lora_name, parts, final=final)
 
-    def _note_own(self, client, t: _Tracked, upto: int, parts: tuple[GroupPart, ...], tokens: Sequence[int]) -> None:
+    def _note_own(self, client, t: TrackedRequest, upto: int, parts: tuple[GroupPart, ...],
+                  tokens: Sequence[int]) -> None:
         """Remember the keys a save hands over, so that the next lookups wait for them to land."""
         keys = self._keys(client, t, upto, tokens)
         by_group = {p.group: p for p in parts}
@@ -328,6 +315,13 @@ class SchedulerPlanner:
             return False
         self.final_saves.append(self._save(t, upto, tokens, final=True))
         return True
+
+    def loads_over(self, req_ids, failed_block_ids) -> None:
+        """Asynchronous loads the workers reported done, and the blocks they failed."""
+        for r in req_ids or ():
+            if (t := self.reqs.get(r)) is not None:
+                t.load_failed = t.load_failed or bool(t.loading & set(failed_block_ids or ()))
+                t.loading = frozenset()
 
     def workers_report(self, data: dict[str, Any]) -> None:
         """The workers' figures since their last report: load bandwidths and prefill throughput."""

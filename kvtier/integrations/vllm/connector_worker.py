@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPar
 
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 PREFILL_STEP_TOKENS = 256  # steps this large are timed as prefill throughput
+LOAD_STALL_ENV = "KVTIER_TEST_LOAD_STALL_S"
 
 
 def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str, elem: int) -> PoolSpec:
@@ -69,6 +71,8 @@ class WorkerMover:
         self._step_started = 0.0
         self._step_tokens = 0
         self._step_sync_s = 0.0  # synchronous loads inside this step (not prefill)
+        # A fault test's slow tier: every load waits this long first (unset in production).
+        self._stall_s = float(os.environ.get(LOAD_STALL_ENV, "0") or 0)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -170,6 +174,9 @@ class WorkerMover:
     def _load(self, tr: BlockTransfer, handed: float) -> set[int]:
         """One transfer's blocks, within its deadline (counted from when it was handed over)."""
         deadline = handed + (tr.deadline_s or self.s.call_timeout_s)
+        if self._stall_s and not tr.refused:
+            log.warning("kvtier: load of request %s stalled for %g s (%s)", tr.req_id, self._stall_s, LOAD_STALL_ENV)
+            time.sleep(self._stall_s)
         c = self.link.counters
         lost: list[int] = []
         missed = False
