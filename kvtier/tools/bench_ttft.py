@@ -32,7 +32,7 @@ from kvtier.tools.bench_env import Env, pool_toml
 # The issue's model: an 8-layer random Llama, hidden 1024, 4 KV heads of 128, bf16 (16 KiB of KV
 # a token), so that a 2,048-token prefill is real work on a CPU. --quick: the tests' tiny one.
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                   num_key_value_heads=4)
+                   num_key_value_heads=4, max_position_embeddings=8192)
 BENCH_POOL = dict(layers=8, kv_heads=4, head_dim=128, block_tokens=32, dtype="bfloat16")
 TAIL = 32
 CELLS = ("cold", "floor", "kvtier_local", "kvtier_next", "kvtier_redis", "kvtier_miss", "peer_local", "peer_next")
