@@ -5,9 +5,12 @@ An engine integration asks before it promises blocks to the engine:
   node's shared memory, Redis), each a moving average of real loads;
 - a recompute's time is its tokens over the prefill throughput the engine showed.
 Blocks are loaded only where they pay (a tier whose blocks cost more than `margin` times their
-recompute is left out, and with it every block after it), and every load gets a deadline: the
-estimate times `slack`, at least `floor_s`, never more than recomputing would take nor
-`ceiling_s`. Before a figure is measured its side is unknown, and loads are assumed to pay.
+recompute is left out, and with it every block after it), and every load gets a deadline: what
+recomputing its blocks would take (a load slower than that has lost), or `slack` times its own
+estimate if longer, at least `floor_s`, at most `ceiling_s` (the deadline until the engine's
+prefill is measured). Before a figure is measured its side is unknown, and loads are assumed to
+pay. The deadline runs from when the load starts: loads queued behind others are not cut short
+for the wait (measured: a burst of twelve missed theirs, and each recomputed its prefix).
 """
 
 from __future__ import annotations
@@ -81,10 +84,9 @@ class LoadCosts:
         keep_local = local if pays(shm_s) else 0
         keep_remote = remote if keep_local == local and pays(redis_s) else 0
         estimate = keep_local * (shm_s or 0.0) + keep_remote * (redis_s or 0.0)
-        unknown = (keep_local and shm_s is None) or (keep_remote and redis_s is None)
-        deadline = self.ceiling_s if unknown else max(self.floor_s, self.slack * estimate)
         recompute = self.recompute_s(keep_local + keep_remote)
-        if recompute is not None:
-            deadline = min(deadline, max(self.floor_s, recompute))
+        # Given up only once it has taken as long as recomputing would (by then it has lost),
+        # or `slack` times its own estimate if that is longer (a margin for a busy machine).
+        deadline = self.ceiling_s if recompute is None else max(self.floor_s, self.slack * estimate, recompute)
         return LoadPlan(keep_local, keep_remote, min(deadline, self.ceiling_s),
                         local + remote - keep_local - keep_remote)

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPar
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 PREFILL_STEP_TOKENS = 256  # steps this large are timed as prefill throughput
 LOAD_STALL_ENV = "KVTIER_TEST_LOAD_STALL_S"
+IDLE_WAIT_S = 0.005
 
 
 def pages_spec(pool: str, ns: KeyNamespace, layers: int, page_bytes: int, dtype: str, elem: int) -> PoolSpec:
@@ -71,6 +72,7 @@ class WorkerMover:
         self._step_started = 0.0
         self._step_tokens = 0
         self._step_sync_s = 0.0  # synchronous loads inside this step (not prefill)
+        self._idle_step = False  # this step computes nothing
         # A fault test's slow tier: every load waits this long first (unset in production).
         self._stall_s = float(os.environ.get(LOAD_STALL_ENV, "0") or 0)
 
@@ -151,29 +153,34 @@ class WorkerMover:
             if tr.asynchronous:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-                self._inflight[tr.req_id] = self._loader.submit(self._load, tr, now)
+                self._inflight[tr.req_id] = self._loader.submit(self._load, tr)
             else:
-                failed |= self._load(tr, now)
+                failed |= self._load(tr)
                 self._step_sync_s += time.monotonic() - now
                 now = time.monotonic()
         return failed
 
     def load(self, transfers: Sequence[BlockTransfer]) -> set[int]:
         """Read each transfer's blocks into vLLM's pages now. Returns the block ids not loaded."""
-        now = time.monotonic()
-        return set().union(*(self._load(tr, now) for tr in transfers))
+        return set().union(*(self._load(tr) for tr in transfers))
 
     def finished_loads(self) -> tuple[set[str], set[int]]:
-        """Requests whose asynchronous load is over (loaded or not), and the block ids it failed."""
+        """Requests whose asynchronous load is over (loaded or not), and the block ids it failed.
+        In a step with nothing to compute it waits up to IDLE_WAIT_S for one: vLLM would run
+        the next empty step at once, a spin that takes the cores the load needs."""
+        if self._inflight and self._idle_step:
+            wait(list(self._inflight.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         done = [r for r, f in self._inflight.items() if f.done()]
         failed: set[int] = set()
         for r in done:
             failed |= self._inflight.pop(r).result()
         return set(done), failed
 
-    def _load(self, tr: BlockTransfer, handed: float) -> set[int]:
-        """One transfer's blocks, within its deadline (counted from when it was handed over)."""
-        deadline = handed + (tr.deadline_s or self.s.call_timeout_s)
+    def _load(self, tr: BlockTransfer) -> set[int]:
+        """One transfer's blocks, within its deadline."""
+        # From when this load starts: the loads queued ahead of it on the loader thread are not
+        # its own cost (a burst of twelve otherwise ran out its last loads' deadlines waiting).
+        deadline = time.monotonic() + (tr.deadline_s or self.s.call_timeout_s)
         if self._stall_s and not tr.refused:
             log.warning("kvtier: load of request %s stalled for %g s (%s)", tr.req_id, self._stall_s, LOAD_STALL_ENV)
             time.sleep(self._stall_s)
@@ -259,6 +266,7 @@ class WorkerMover:
 
     def step_started(self, step_tokens: int) -> None:
         self._step_started, self._step_tokens, self._step_sync_s = time.monotonic(), step_tokens, 0.0
+        self._idle_step = step_tokens == 0
 
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
         """Stage the saves after the forward pass, and time that pass: a step of mostly prefill
