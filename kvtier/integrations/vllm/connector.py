@@ -50,6 +50,7 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     step_tokens: int = 0
+    held: bool = False
 
 
 @dataclass
@@ -207,7 +208,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._planner is None:
             return KvtierConnectorMetadata()
         plan = self._planner.build(scheduler_output)
-        return KvtierConnectorMetadata(plan.loads, plan.saves, plan.step_tokens)
+        return KvtierConnectorMetadata(plan.loads, plan.saves, plan.step_tokens, plan.held)
 
     def update_connector_output(self, connector_output) -> None:
         if self._planner is None:
@@ -234,7 +235,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._mover is not None and isinstance(connector_metadata, KvtierConnectorMetadata):
-            self._mover.step_started(connector_metadata.step_tokens)
+            self._mover.step_started(connector_metadata.step_tokens, connector_metadata.held)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

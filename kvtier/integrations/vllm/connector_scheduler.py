@@ -64,6 +64,7 @@ class SchedulerPlanner:
         self.reqs: dict[str, TrackedRequest] = {}
         self.loads: list[BlockTransfer] = []  # planned at allocation, sent with the next metadata
         self.final_saves: list[BlockTransfer] = []  # of finished requests whose blocks vLLM holds for them
+        self.held = False  # a request was answered None since the last step (asked again next step)
         self.own = OwnSaves(clock=clock)  # blocks this engine handed over and has not seen placed
         self._next_report = clock() + REPORT_S
         self._reported: dict[str, int] = {}
@@ -115,6 +116,7 @@ class SchedulerPlanner:
             if not t.held_for_own:
                 t.held_for_own = True
                 self.link.counters.add("own_save_waits")
+            self.held = True
             return None, False
         t.saved = max(t.saved, local)
         reach = local
@@ -123,6 +125,7 @@ class SchedulerPlanner:
             if r is None:
                 if t.tries < self.s.lookup_tries:
                     self.link.counters.add("lookup_retries")
+                    self.held = True
                     return None, False
                 r = local  # still no answer: this request goes on with what the node holds
             reach = max(local, r)
@@ -221,9 +224,9 @@ class SchedulerPlanner:
 
     def build(self, scheduler_output) -> TransferPlan:
         self.report()
-        plan = TransferPlan(loads=self.loads, saves=self.final_saves,
+        plan = TransferPlan(loads=self.loads, saves=self.final_saves, held=self.held,
                             step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
-        self.loads, self.final_saves = [], []
+        self.loads, self.final_saves, self.held = [], [], False
         for new in scheduler_output.scheduled_new_reqs:
             t = self.reqs.get(new.req_id)
             if t is None:

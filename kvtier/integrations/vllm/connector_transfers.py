@@ -41,3 +41,4 @@ class TransferPlan:
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     step_tokens: int = 0  # tokens vLLM computes this step (the workers time prefill with it)
+    held: bool = False  # a request waits to be asked again: an idle step need not spin

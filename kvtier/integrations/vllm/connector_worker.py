@@ -73,6 +73,7 @@ class WorkerMover:
         self._step_tokens = 0
         self._step_sync_s = 0.0  # synchronous loads inside this step (not prefill)
         self._idle_step = False  # this step computes nothing
+        self._held_step = False  # and the scheduler holds a request back (to be asked again)
         # A fault test's slow tier: every load waits this long first (unset in production).
         self._stall_s = float(os.environ.get(LOAD_STALL_ENV, "0") or 0)
 
@@ -166,10 +167,13 @@ class WorkerMover:
 
     def finished_loads(self) -> tuple[set[str], set[int]]:
         """Requests whose asynchronous load is over (loaded or not), and the block ids it failed.
-        In a step with nothing to compute it waits up to IDLE_WAIT_S for one: vLLM would run
-        the next empty step at once, a spin that takes the cores the load needs."""
-        if self._inflight and self._idle_step:
+        In a step with nothing to compute it waits up to IDLE_WAIT_S for one (or, while the
+        scheduler holds a request back for the daemon, sleeps that long): vLLM would run the next
+        empty step at once, a spin that takes the cores the load or the daemon needs."""
+        if self._idle_step and self._inflight:
             wait(list(self._inflight.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        elif self._idle_step and self._held_step:
+            time.sleep(IDLE_WAIT_S)
         done = [r for r, f in self._inflight.items() if f.done()]
         failed: set[int] = set()
         for r in done:
@@ -264,9 +268,9 @@ class WorkerMover:
 
     # --- saves -----------------------------------------------------------------------------------
 
-    def step_started(self, step_tokens: int) -> None:
+    def step_started(self, step_tokens: int, held: bool = False) -> None:
         self._step_started, self._step_tokens, self._step_sync_s = time.monotonic(), step_tokens, 0.0
-        self._idle_step = step_tokens == 0
+        self._idle_step, self._held_step = step_tokens == 0, held
 
     def save(self, transfers: Sequence[BlockTransfer]) -> None:
         """Stage the saves after the forward pass, and time that pass: a step of mostly prefill
