@@ -16,17 +16,13 @@ while the burst is served, and how many burst requests did not load their whole 
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
 from kvtier.tools.bench_env import Env, pool_toml
+from kvtier.tools.bench_ttft import _say
 
 PLACEMENTS = ("floor", "kvtier_local", "kvtier_half_redis", "peer")
-
-
-def _say(msg: str) -> None:
-    print(f"kvtier bench --vllm: {msg}", file=sys.stderr, flush=True)
 
 
 def _pct(values: list[float], q: float) -> float:

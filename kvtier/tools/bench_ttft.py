@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.layout import BlockLayout
 from kvtier.tools.bench_env import Env, pool_toml
 
 # The model: an 8-layer random Llama, hidden 1024, 4 KV heads of 128, bf16 (16 KiB of KV
@@ -90,8 +91,7 @@ def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, 
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
     dtype = "" if quick else "bfloat16"
-    block_bytes = 2 * layout["layers"] * layout["kv_heads"] * layout["head_dim"] * layout["block_tokens"] * (
-        4 if quick else 2)
+    block_bytes = BlockLayout(**layout).block_bytes
     bt = layout["block_tokens"]
     # Node A keeps every prompt this run saves (one prefix, three sets of samples a length); node B
     # only what it reads through and the daemon brings up.

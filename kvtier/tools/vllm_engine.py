@@ -93,9 +93,9 @@ def make_eagle_draft(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def serve(args: argparse.Namespace) -> None:
-    # Answers go to the real stdout; everything else that writes to fd 1 (vLLM logs to stdout)
-    # is sent to stderr, so a driver reads nothing but answers.
+def answer_channel():
+    """The engine process's answer line: answers go to the real stdout; everything else that
+    writes to fd 1 (vLLM logs to stdout) is sent to stderr, so a driver reads nothing but answers."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -104,6 +104,11 @@ def serve(args: argparse.Namespace) -> None:
         answers.write(line + "\n")
         answers.flush()
 
+    return answer
+
+
+def serve(args: argparse.Namespace) -> None:
+    answer = answer_channel()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 

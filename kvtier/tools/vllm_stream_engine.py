@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
+
+from kvtier.tools.vllm_engine import answer_channel
 
 
 async def _stream(engine, rid: str, prompt: list[int], max_tokens: int, times: list[float], out: dict) -> None:
@@ -72,14 +73,7 @@ async def _prime(engine, prompts: list[list[int]], seq: list[int]) -> dict:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def answer(line: str) -> None:
-        answers.write(line + "\n")
-        answers.flush()
-
+    answer = answer_channel()
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -8,6 +8,7 @@ The engines themselves: tests/vllm/test_connector_e2e.py and test_serving_path_e
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 from types import SimpleNamespace as NS
 
 import pytest
@@ -76,6 +77,16 @@ def nodes(daemon_factory, redis_server):
     b.link.close()
 
 
+@contextmanager
+def hung(redis):
+    """Redis answers nothing (SIGSTOP) inside the block: it keeps its sockets, as a hung server does."""
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+
+
 def saved_on_a(a: Node) -> None:
     """Node A computes PROMPT (blocks 1-6) and saves its six full blocks; they reach Redis."""
     assert a.planner.matched_tokens(request("a", PROMPT), 0) == (0, False)
@@ -114,13 +125,10 @@ def test_a_load_whose_redis_hangs_is_given_up_at_its_deadline_and_counted(nodes)
     [load] = b.planner.build(step()).loads
     assert load.deadline_s == 0.5  # nothing measured yet: the ceiling
     before = b.pages(range(21, 27)).clone()
-    redis.proc.send_signal(signal.SIGSTOP)  # answers nothing: the read cannot finish
-    try:
+    with hung(redis):  # the read cannot finish
         b.mover.start_loads([load])
         done = wait_until(lambda: (x := b.mover.finished_loads())[0] and x, timeout=load.deadline_s + 5,
                           message="the load given up")
-    finally:
-        redis.proc.send_signal(signal.SIGCONT)
     assert done == ({"b"}, set(range(21, 27)))  # every block back to vLLM, to recompute
     assert torch.equal(b.pages(range(21, 27)), before)  # and none of them written
     counts = b.link.counters.snapshot()
@@ -136,12 +144,9 @@ def test_a_lookup_that_times_out_is_asked_again_next_step(nodes):
     a, b, redis = nodes
     saved_on_a(a)
     r = request("b", PROMPT)
-    redis.proc.send_signal(signal.SIGSTOP)
-    try:
+    with hung(redis):
         assert b.planner.matched_tokens(r, 0) == (None, False)  # ask again next step
         assert b.planner.matched_tokens(r, 0) == (None, False)
-    finally:
-        redis.proc.send_signal(signal.SIGCONT)
     assert b.planner.matched_tokens(r, 0) == (6 * BS, True)  # the third try answers
     counts = b.link.counters.snapshot()
     assert (counts["lookup_timeouts"], counts["lookup_retries"]) == (2, 2)
@@ -151,11 +156,8 @@ def test_after_the_last_try_the_request_goes_on_with_what_the_node_holds(nodes):
     a, b, redis = nodes
     saved_on_a(a)
     r = request("b", PROMPT)
-    redis.proc.send_signal(signal.SIGSTOP)
-    try:
+    with hung(redis):
         answers = [b.planner.matched_tokens(r, 0) for _ in range(3)]
-    finally:
-        redis.proc.send_signal(signal.SIGCONT)
     assert answers == [(None, False), (None, False), (0, False)]  # nothing here: computed, not held forever
 
 
