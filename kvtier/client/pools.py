@@ -16,7 +16,7 @@ from kvtier.errors import BadRequest, SegmentError
 from kvtier.keys import BlockKey
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.shm.segment import SHM_DIR, ShmSegment
-from kvtier.shm.slots import Kind, SlotTable
+from kvtier.shm.slots import Flags, Kind, SlotTable
 from kvtier.shm.staging import StagingWriter
 
 TORCH_DTYPES = {
@@ -91,6 +91,7 @@ class ClientPool:
         self._closing = False
         self._daemon_alive = True  # at close: whether a daemon will count what staging holds
         self._bounce: torch.Tensor | None = None  # pinned host block for CUDA destinations, made on first use
+        self.own_reads = 0  # blocks read from this client's own staging, before the daemon placed them
 
     # --- lookup and read ---------------------------------------------------------------------
 
@@ -136,13 +137,28 @@ class ClientPool:
                 if not on_host:
                     flat.copy_(self._pinned())  # from pinned memory; returns once the copy is done
                 return True
-        return False
+        return self._read_own(key, lambda table, slot, flags: table.read_into(slot, key, host, flags) is not None
+                              and (on_host or flat.copy_(self._pinned()) is not None))
 
     def read_with(self, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
                   digest: Callable[[], int]) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block
         only in a CUDA gpu tier is a miss here."""
         return any(table.read_with(slot, key, copy_out, digest) is not None for tier, table, slot in self._slots(key)
+                   if not (tier == Tier.GPU and self.gpu_device_payload is not None)) or self._read_own(
+            key, lambda table, slot, flags: table.read_with(slot, key, copy_out, digest, flags) is not None)
+
+    def _read_own(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
+        """Read your own writes: a block this client staged that the daemon has not placed yet is
+        read from the staging slot, verified like any other (key, seqlock, checksum). The daemon
+        releases a slot only once its block is visible, so a slot gone since is looked up again."""
+        w = self.staging
+        if w is None or (slot := w.slot_of(key)) is None:
+            return False
+        if read(w.table, slot, Flags.READY):
+            self.own_reads += 1
+            return True
+        return any(read(table, s, Flags.VALID) for tier, table, s in self._slots(key)
                    if not (tier == Tier.GPU and self.gpu_device_payload is not None))
 
     def _pinned(self) -> torch.Tensor:

@@ -73,6 +73,7 @@ class StagingWriter:
         self.reclaim_s = reclaim_s  # a slot the daemon has not released this long is taken back
         self._cursor = 0
         self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
+        self._slot_of: dict[bytes, int] = {}  # the last slot each key was staged in (a hint: reads verify)
 
     @classmethod
     def create(cls, node: str, blocks: int, block_bytes: int, fingerprint: bytes, *, daemon_uid: int,
@@ -124,6 +125,15 @@ class StagingWriter:
         now = time.monotonic()
         for b in blocks:
             self._staged_at[b.slot] = now
+            self._slot_of[b.key] = b.slot
+        if len(self._slot_of) > 2 * self.table.n:  # forget keys whose slots were staged again since
+            self._slot_of = {k: s for k, s in self._slot_of.items() if self.table.header(s).key == k}
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot this client last staged `key` in, while it may still hold it (read your own
+        writes before the daemon has placed them). A hint: the slot may have been released and
+        written again since, so a read must verify it under the seqlock, flags READY."""
+        return self._slot_of.get(key)
 
     def unstage(self, staged: list[StagedBlock]) -> None:
         """The daemon never heard of these (publishing failed, or the fill did): make the slots

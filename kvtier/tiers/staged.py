@@ -80,13 +80,15 @@ class StagedStores:
         results = await fill(stores, self.writes.off_loop_bytes, self.threads)
         self.failpoints.reached("shm_written")
         for s, got in zip(stores, results):
-            self.staging.release(s.ev.segment, s.rt.layout.block_bytes, s.ev.slot, s.ev.gen)
             outcome, detail = read(s.ev, s.dst.tier, got), ""
             if outcome is None:
                 outcome = stored(s.ev, s.dst.tier, s.rt.finish(s.dst, s.entry).slot)
             else:
                 s.rt.abort(s.dst, s.entry)
                 detail = CHANGED if got is None else str(got)
+            # Released once the block is visible: its client reads its own staged blocks until
+            # then (ClientPool._read_own), so there is no moment when neither copy is there.
+            self.staging.release(s.ev.segment, s.rt.layout.block_bytes, s.ev.slot, s.ev.gen)
             self.facts.report(s.rt, self.facts.settle(s.rt, outcome, s.ev, detail), s.t0)
 
 

@@ -122,10 +122,11 @@ def test_a_missing_sliding_part_shortens_the_hit_to_a_whole_window(parts):
     assert d.matched_tokens(request("d", PROMPT_C), 0) == (5 * BS, True)
 
 
-def test_an_engine_waits_for_its_own_saves_instead_of_missing_them(parts):
-    """Read your writes: the daemon is stopped (SIGSTOP) after the save is staged, so nothing is
-    placed. The same engine's next request with that prefix waits (None: vLLM asks again next
-    step) instead of computing it all; another engine, which saved nothing, misses at once."""
+def test_an_engine_loads_its_own_saves_before_the_daemon_places_them(parts):
+    """Read your own writes: the daemon is stopped (SIGSTOP) after the save is staged, so nothing is
+    placed. The same engine's next request is promised the whole prefix at once, and its load
+    reads the blocks from the worker's own staging slots, verified, into the new pages; another
+    engine, which saved nothing, misses at once."""
     settings, link, mover, caches, d = parts
     e = planner(settings, link)
     assert e.matched_tokens(request("e1", PROMPT_E), 0) == (0, False)
@@ -134,12 +135,23 @@ def test_an_engine_waits_for_its_own_saves_instead_of_missing_them(parts):
         plan = e.build(step(new=[("e1", ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]), len(PROMPT_E))]))
         mover.save(plan.saves)
         assert link.counters.snapshot()["saved_blocks"] == 12  # staged, both groups
-        assert e.matched_tokens(request("e2", PROMPT_E), 0) == (None, False)
-        assert e.matched_tokens(request("e2", PROMPT_E), 0) == (None, False)  # still landing: asked again
         assert planner(settings, link).matched_tokens(request("x", PROMPT_E), 0) == (0, False)
+        assert e.matched_tokens(request("e2", PROMPT_E), 0) == (6 * BS, True)
+        e.after_alloc(request("e2", PROMPT_E), ([NULL_BLOCK] * 4 + [21, 22, 23], [31, 32, 33, 34, 35, 36, 37]), 6 * BS)
+        [load] = e.build(step()).loads
+        assert not load.remote
+        assert mover.start_loads([load]) == set()
+        done = wait_until(lambda: (r := mover.finished_loads())[0] and r, timeout=10, message="the load reported done")
+        assert done == ({"e2"}, set())  # every block read, with the daemon still stopped
     finally:
         d.proc.send_signal(signal.SIGCONT)
-    wait_until(lambda: e.matched_tokens(request("e2", PROMPT_E), 0) == (6 * BS, True), timeout=10,
-               message="the whole prefix once the daemon placed it")
-    assert link.counters.snapshot()["own_save_waits"] == 1
-    assert not e.own  # seen placed: forgotten
+    raw = {n: c.view(torch.uint8) for n, c in caches.items()}
+    assert torch.equal(raw["l0"][21:23], raw["l0"][5:7])  # sliding blocks 4, 5
+    assert torch.equal(raw["l1"][31:37], raw["l1"][11:17])  # full blocks 0-5
+    counts = link.counters.snapshot()
+    assert counts["own_save_hits"] == 1 and counts["loaded_blocks"] == 8
+    assert counts.get("load_failed_blocks", 0) == 0
+    client = link.client()
+    assert client.pool("hy").own_reads == 8
+    wait_until(lambda: e.matched_tokens(request("e3", PROMPT_E), 0) == (6 * BS, True) and not e.own, timeout=10,
+               message="the prefix placed by the daemon, and the engine's notes of it forgotten")

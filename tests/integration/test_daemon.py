@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,37 @@ async def test_a_prefetch_never_overtakes_the_read_reports_before_it(daemon_fact
     assert kinds[-2:] == ["Access", "Prefetch"], kinds
     assert sent[-2].keys == tuple(keys)
     r.close()
+
+
+async def test_a_client_reads_its_own_puts_before_the_daemon_places_them(daemon_factory):
+    """Read your own writes: with the daemon stopped (SIGSTOP) nothing staged is placed, yet the
+    client that put the blocks reads them from its staging slots, verified. Bytes changed in a
+    staged slot are a miss, never wrong bytes; another client sees nothing; once the daemon runs
+    again the blocks are placed and the same reads come from the arena."""
+    d = daemon_factory(node="own", gpu=0, cpu=16)
+    async with await Client.connect(d.runtime_dir) as client, await Client.connect(d.runtime_dir) as other:
+        keys = client.block_keys("t", list(range(500, 500 + 16 * 4)))
+        kv = make_kv(4, seed=9)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert (await client.put("t", keys, kv)).staged == 4
+            assert client.lookup("t", keys).length == 0  # not placed: lookup tells the truth
+            out = torch.zeros((4, *SHAPE), dtype=torch.float16)
+            assert await client.get("t", keys, out) == 4
+            assert same_bytes(out, kv) and client.pool("t").own_reads == 4
+            assert await other.get("t", keys, torch.zeros((4, *SHAPE), dtype=torch.float16)) == 0
+            w = client.pool("t").staging
+            assert w is not None
+            slot = w.slot_of(keys[2])
+            assert slot is not None
+            w.table.payloads()[slot, 100] ^= 0xFF  # a staged block changed after its checksum
+            out.zero_()
+            assert await client.get("t", keys, out) == 2  # the changed block ends the prefix
+            assert same_bytes(out[:2], kv[:2])
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert await client.wait_resident("t", keys[:2], timeout=10)
+        out.zero_()
+        own = client.pool("t").own_reads
+        assert await client.get("t", keys[:2], out) == 2 and same_bytes(out[:2], kv[:2])
+        assert client.pool("t").own_reads == own  # these came from the arena

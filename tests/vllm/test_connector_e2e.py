@@ -104,7 +104,8 @@ def test_exact_prompt_is_reused_within_one_engine(scenario, baseline):
 def test_the_next_request_finds_what_the_engine_just_saved(scenario):
     """The engine's own saves are found by its next request, without a wait for the daemon (on this
     small model the daemon has usually placed them by then; tests/integration/
-    test_connector_groups.py stops the daemon to show the lookup waits for them)."""
+    test_connector_groups.py stops the daemon to show the worker then loads them from its own
+    staging slots)."""
     assert scenario["a1_q1"]["cached"] == 0
     assert scenario["a1_r_next"]["cached"] == 10 * BS
     assert scenario["a1_r_computed"]["cached"] == 0

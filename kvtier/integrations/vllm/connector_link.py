@@ -21,7 +21,7 @@ CONNECTOR_COUNTERS = (  # besides the link's own (LINK_COUNTERS), reported throu
     "lookups",  # requests the scheduler looked up
     "hit_blocks",  # blocks the scheduler promised vLLM it could load
     "hit_blocks_redis",  # of those, blocks only Redis held (read through by the worker)
-    "own_save_waits",  # requests held a step or more for this engine's own saves to be placed
+    "own_save_hits",  # lookups that promised blocks this engine staged and the daemon had not placed yet
     "resumed_requests",  # requests vLLM preempted and scheduled again
     "lookup_timeouts",  # Redis lookups that ran past lookup_timeout_ms
     "lookup_retries",  # of those, asked again on a later step (the rest went on with the local part)

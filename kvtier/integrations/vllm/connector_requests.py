@@ -26,7 +26,6 @@ class TrackedRequest:
     keys: list[list[bytes]] | None = None  # per chain (rank-major, then group), as far as hashed
     reach: int | None = None  # how far Redis and this node together hold the prefix (asked once)
     tries: int = 0  # Redis lookups tried
-    held_for_own: bool = False  # held back a step or more for this engine's own saves
     promised: tuple[int, int, float] | None = None  # (end block, first block from Redis, deadline s)
     redis_tokens: int = 0  # of the last load, tokens read through from Redis
     loads: int = 0  # loads planned for it (one, and one more after each preemption)

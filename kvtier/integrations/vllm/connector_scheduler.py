@@ -6,8 +6,8 @@ Runs in vLLM's scheduler process, on its loop, so it never waits long:
   that timed out is asked again next step (`None`: "ask again"), up to `lookup_tries` times;
 - the part only Redis holds is promised too (`read_through`): the worker reads it straight
   from Redis into vLLM's pages, with no prefetch round trip;
-- blocks this engine itself handed to kvtier and the daemon has not placed yet hold a request
-  back a step or more (read your own writes: own_saves.py).
+- blocks this engine itself handed to kvtier and the daemon has not placed yet are promised
+  too: the worker reads them from its own staging slots (read your own writes: own_saves.py).
 What is promised is what pays, with a deadline (kvtier/core/load_cost.py, from the workers'
 figures). Loads are asynchronous (`load_async`): the request waits in WAITING_FOR_REMOTE_KVS
 while the others run, and the worker reports it done.
@@ -112,12 +112,9 @@ class SchedulerPlanner:
         if found is None:
             return 0, False
         local, keys, landing = found
-        if landing > local:  # this engine's own saves are being placed: found a step later
-            if not t.held_for_own:
-                t.held_for_own = True
-                self.link.counters.add("own_save_waits")
-            self.held = True
-            return None, False
+        if landing > local:  # this engine's own saves, not placed yet: the worker reads them from its staging
+            self.link.counters.add("own_save_hits")
+            local = landing
         t.saved = max(t.saved, local)
         reach = local
         if local < max_blocks and self.s.read_through:

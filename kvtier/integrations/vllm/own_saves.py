@@ -1,14 +1,15 @@
 """Read your own writes: the keys of blocks this engine handed to kvtier that the daemon has not
-placed yet (no vLLM imports). A lookup that would reach further once they are placed waits a
-step or more instead of recomputing them, for at most `land_s` after each save was planned (a
-save the worker had to drop is not waited for longer than that)."""
+placed yet (no vLLM imports). A lookup counts them as this node's for `land_s` after each save
+was planned: the worker that staged them reads them from its own staging slots until the daemon
+has placed them (ClientPool._read_own). A save the worker had to drop is promised for at most
+that long, and its blocks then fail their load and are recomputed."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 
-OWN_SAVE_LAND_S = 0.5  # how long a lookup waits for this engine's own save to be placed
+OWN_SAVE_LAND_S = 0.5  # how long a lookup counts this engine's own save as landing
 
 
 class OwnSaves:
