@@ -157,7 +157,9 @@ class BulkProtocol(asyncio.BufferedProtocol):
                 if not self._crlf:
                     self._reply_done()
                 continue
-            j = bytes(data[i:]).find(b"\n")  # a reply line
+            # A reply line: searched in a window no longer than a line may be (copying the whole
+            # rest of the buffer to search it cost more than the values' own copies).
+            j = bytes(data[i:i + MAX_LINE + 2]).find(b"\n")
             if j < 0:
                 self._line += data[i:]
                 if len(self._line) > MAX_LINE:
