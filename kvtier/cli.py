@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="512,2048,4096", help="with --vllm: prefix lengths in tokens")
     b.add_argument("--samples", type=int, default=5, help="with --vllm: requests per TTFT cell")
     b.add_argument("--burst-rounds", type=int, default=2, help="with --vllm: rounds of the burst table")
+    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="with --vllm: the TTFT model's dtype (float32 where the CPU has no bf16 matmul, "
+                        "e.g. AVX2 only: vLLM falls back to a far slower bf16 path there)")
     b.add_argument("--cluster", action="store_true",
                    help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
                         "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")

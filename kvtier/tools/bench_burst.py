@@ -30,18 +30,19 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
-def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | None, out: dict) -> None:
+def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | None, out: dict,
+                dtype: str = "bfloat16") -> None:
     from kvtier.tools.bench_ttft import BENCH_MODEL, BENCH_POOL, LMCacheServer
     from kvtier.tools.vllm_engine import TINY_POOL, StreamEngineProcess, connector_config, make_model
 
     prefix_len, burst_n, decoders_n, dec_tokens = (256, 4, 2, 48) if quick else (2048, 12, 4, 192)
-    layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL}
+    layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
     bt = layout["block_tokens"]
     per_round = (prefix_len // bt + 2) * burst_n * 2
     pools = pool_toml("burst", layout, "cpu", 0, per_round * rounds + 64)
-    eng = dict(dtype="float32" if quick else "bfloat16", max_model_len=prefix_len + 512,
-               kv_cache_mib=64 if quick else 1024, max_num_seqs=burst_n + decoders_n,
+    eng = dict(dtype="float32" if quick else dtype, max_model_len=prefix_len + 512,
+               kv_cache_mib=64 if quick else 1024 if dtype == "bfloat16" else 2048, max_num_seqs=burst_n + decoders_n,
                max_num_batched_tokens=256 if quick else 2048)
     # --quick: the cost model off (on the tiny model recomputing costs what loading does, and the
     # smoke run checks where each prefix came from); the full run measures what a user gets.

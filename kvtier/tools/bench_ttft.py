@@ -84,13 +84,18 @@ class LMCacheServer:
                 self.proc.kill()
 
 
+def bench_model_text(dtype: str) -> str:
+    kib = 16 if dtype == "bfloat16" else 32
+    return f"random Llama: 8 layers, hidden 1024, 4 KV heads of 128, {dtype} ({kib} KiB of KV per token)"
+
+
 def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, peer_python: str | None,
-               out: dict) -> None:
+               out: dict, dtype: str = "bfloat16") -> None:
     from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model
 
-    layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL}
+    layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
-    dtype = "" if quick else "bfloat16"
+    dtype = "" if quick else dtype
     block_bytes = BlockLayout(**layout).block_bytes
     bt = layout["block_tokens"]
     # Node A keeps every prompt this run saves (one prefix, three sets of samples a length); node B
@@ -171,8 +176,7 @@ def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, 
         b.close()
         a.close()
     out["ttft_cells"] = {
-        "model": "tiny Llama (2 layers, fp32)" if quick else "random Llama: 8 layers, hidden 1024, 4 KV heads of 128, "
-                                                           "bf16 (16 KiB of KV per token)",
+        "model": "tiny Llama (2 layers, fp32)" if quick else bench_model_text(dtype),
         "samples": samples, "tail_tokens": TAIL,
         "cells": {c: {str(n): {"median_ms": statistics.median(v) * 1000, "worst_ms": max(v) * 1000,
                                "loaded_tokens": loaded[c][n]}

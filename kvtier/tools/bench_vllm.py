@@ -200,13 +200,14 @@ def run_vllm_bench(args) -> int:
         _say(f"TTFT on real engines: prefixes of {lengths} tokens, {samples} samples a cell"
              + (f", peer LMCache MP ({peer})" if peer else ", no peer (--peer)"))
         (tmp / "ttft").mkdir()
-        ttft_cells(tmp / "ttft", lengths, samples, quick=quick, peer_python=peer, out=out)
+        dtype = str(getattr(args, "dtype", "bfloat16"))
+        ttft_cells(tmp / "ttft", lengths, samples, quick=quick, peer_python=peer, out=out, dtype=dtype)
         from kvtier.tools.bench_burst import burst_cells
 
         rounds = 1 if quick else max(1, int(getattr(args, "burst_rounds", 2)))
         _say(f"under load: a burst of cached prefixes beside decoders, {rounds} round(s)")
         (tmp / "burst").mkdir()
-        burst_cells(tmp / "burst", quick=quick, rounds=rounds, peer_python=peer, out=out)
+        burst_cells(tmp / "burst", quick=quick, rounds=rounds, peer_python=peer, out=out, dtype=dtype)
     out["rows"] = table(out)
     print(render(out["rows"]))
     if args.json:
