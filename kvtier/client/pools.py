@@ -126,39 +126,47 @@ class ClientPool:
     def read(self, key: bytes, dst: torch.Tensor) -> bool:
         """Copy `key` into dst (one block, any device). Verified; False means a miss."""
         flat = dst.view(torch.uint8).reshape(-1)
+        if self.gpu_device_payload is not None:
+            for tier, table, slot in self._slots(key):
+                if tier == Tier.GPU and self._read_device(self.gpu_device_payload, table, slot, key, flat):
+                    return True
         on_host = flat.device.type == "cpu"
         host = flat.numpy() if on_host else self._pinned().numpy()
-        for tier, table, slot in self._slots(key):
-            if tier == Tier.GPU and self.gpu_device_payload is not None:
-                if self._read_device(self.gpu_device_payload, table, slot, key, flat):
-                    return True
-                continue
-            if table.read_into(slot, key, host) is not None:
-                if not on_host:
-                    flat.copy_(self._pinned())  # from pinned memory; returns once the copy is done
-                return True
-        return self._read_own(key, lambda table, slot, flags: table.read_into(slot, key, host, flags) is not None
-                              and (on_host or flat.copy_(self._pinned()) is not None))
+
+        def into_host(table: SlotTable, slot: int, flags: int) -> bool:
+            if table.read_into(slot, key, host, flags) is None:
+                return False
+            if not on_host:
+                flat.copy_(self._pinned())  # from pinned memory; returns once the copy is done
+            return True
+
+        return self._read_host(key, into_host)
 
     def read_with(self, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
                   digest: Callable[[], int]) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block
         only in a CUDA gpu tier is a miss here."""
-        return any(table.read_with(slot, key, copy_out, digest) is not None for tier, table, slot in self._slots(key)
-                   if not (tier == Tier.GPU and self.gpu_device_payload is not None)) or self._read_own(
-            key, lambda table, slot, flags: table.read_with(slot, key, copy_out, digest, flags) is not None)
+        return self._read_host(key, lambda table, slot, flags: table.read_with(slot, key, copy_out, digest, flags)
+                               is not None)
 
-    def _read_own(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
-        """Read your own writes: a block this client staged that the daemon has not placed yet is
-        read from the staging slot, verified like any other (key, seqlock, checksum). The daemon
-        releases a slot only once its block is visible, so a slot gone since is looked up again."""
+    def _read_host(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
+        """`read(table, slot, flags)` from the first host-memory copy of `key` that verifies: the
+        slots the directory lists, else (read your own writes) the slot this client staged it in
+        and the daemon has not placed yet, verified like any other (flags READY). The daemon
+        releases a staging slot only once its block is visible, so a slot gone since means the
+        directory is asked again."""
+        if self._read_listed(key, read):
+            return True
         w = self.staging
         if w is None or (slot := w.slot_of(key)) is None:
             return False
         if read(w.table, slot, Flags.READY):
             self.own_reads += 1
             return True
-        return any(read(table, s, Flags.VALID) for tier, table, s in self._slots(key)
+        return self._read_listed(key, read)
+
+    def _read_listed(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
+        return any(read(table, slot, Flags.VALID) for tier, table, slot in self._slots(key)
                    if not (tier == Tier.GPU and self.gpu_device_payload is not None))
 
     def _pinned(self) -> torch.Tensor:

@@ -84,18 +84,12 @@ class LMCacheServer:
                 self.proc.kill()
 
 
-def bench_model_text(dtype: str) -> str:
-    kib = 16 if dtype == "bfloat16" else 32
-    return f"random Llama: 8 layers, hidden 1024, 4 KV heads of 128, {dtype} ({kib} KiB of KV per token)"
-
-
 def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, peer_python: str | None,
                out: dict, dtype: str = "bfloat16") -> None:
     from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model
 
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
-    dtype = "" if quick else dtype
     block_bytes = BlockLayout(**layout).block_bytes
     bt = layout["block_tokens"]
     # Node A keeps every prompt this run saves (one prefix, three sets of samples a length); node B
@@ -104,7 +98,8 @@ def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, 
     pools = pool_toml("bench", layout, "cpu", 0, cpu_blocks)
     pools_b = pool_toml("bench", layout, "cpu", 0, sum((n + TAIL) // bt + 1 for n in lengths) * samples + 64)
     mib = max(64, 4 * (max(lengths) + 2 * TAIL) * block_bytes // bt >> 20)
-    eng = dict(dtype=dtype, max_model_len=max(lengths) + 2 * TAIL + 64, kv_cache_mib=mib, max_num_seqs=4)
+    eng = dict(dtype="" if quick else dtype, max_model_len=max(lengths) + 2 * TAIL + 64, kv_cache_mib=mib,
+               max_num_seqs=4)
     # --quick: the cost model off (on the tiny model recomputing costs what loading does, and the
     # smoke run checks where each prefix came from); the full run measures what a user gets.
     kv_extra = {"cost_model": False} if quick else {}
@@ -176,7 +171,9 @@ def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, 
         b.close()
         a.close()
     out["ttft_cells"] = {
-        "model": "tiny Llama (2 layers, fp32)" if quick else bench_model_text(dtype),
+        "model": "tiny Llama (2 layers, fp32)" if quick else (
+            f"random Llama: 8 layers, hidden 1024, 4 KV heads of 128, {dtype} ({block_bytes // bt >> 10} KiB of KV "
+            "per token)"),
         "samples": samples, "tail_tokens": TAIL,
         "cells": {c: {str(n): {"median_ms": statistics.median(v) * 1000, "worst_ms": max(v) * 1000,
                                "loaded_tokens": loaded[c][n]}
