@@ -40,9 +40,13 @@ def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | N
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
     bt = layout["block_tokens"]
     per_round = (prefix_len // bt + 2) * burst_n * 2
-    pools = pool_toml("burst", layout, "cpu", 0, per_round * rounds + 64)
+    # Memory: four engines, two arenas, Redis and LMCache's pool share the machine (24 GiB here). An
+    # arena holds one round (older rounds are evicted; write-through keeps them in Redis), and an
+    # engine's KV cache the burst plus the decoders (about 830 blocks of 32 tokens) with a margin.
+    # Sized for all rounds and 2 GiB a cache, the fp32 run ran out of memory at the burst's start.
+    pools = pool_toml("burst", layout, "cpu", 0, per_round + 64)
     eng = dict(dtype="float32" if quick else dtype, max_model_len=prefix_len + 512,
-               kv_cache_mib=64 if quick else 1024 if dtype == "bfloat16" else 2048, max_num_seqs=burst_n + decoders_n,
+               kv_cache_mib=64 if quick else 1024 if dtype == "bfloat16" else 1280, max_num_seqs=burst_n + decoders_n,
                max_num_batched_tokens=256 if quick else 2048)
     # --quick: the cost model off (on the tiny model recomputing costs what loading does, and the
     # smoke run checks where each prefix came from); the full run measures what a user gets.
