@@ -221,6 +221,7 @@ class SchedulerPlanner:
 
     def build(self, scheduler_output) -> TransferPlan:
         self.report()
+        self.own.step()
         plan = TransferPlan(loads=self.loads, saves=self.final_saves, held=self.held,
                             step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         self.loads, self.final_saves, self.held = [], [], False
