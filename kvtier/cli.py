@@ -133,6 +133,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.tools.bench_cluster import run_cluster_bench
 
         return run_cluster_bench(args)
+    if args.disk:
+        from kvtier.tools.bench_disk import run_disk_bench
+
+        return run_disk_bench(args)
     if args.arena:
         from kvtier.tools.bench import run_arena_bench
 
@@ -240,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster", action="store_true",
                    help="the redis tier and cross-node pulls on a local Redis Cluster of 1 and of 3 masters, "
                         "against raw redis-py cluster pipelines (--gib sets the bytes; default 1)")
+    dk = b.add_argument_group("disk tier")
+    dk.add_argument("--disk", action="store_true",
+                    help="only the disk rows: the block file's write and verified read against fio's best on the "
+                         "same directory, and header adoption at 1M blocks (needs fio)")
+    dk.add_argument("--disk-dir", default="", help="the directory to measure (default: a temporary one under /var/tmp)")
+    dk.add_argument("--disk-block-kib", type=int, default=2048, help="block size in KiB (default 2048, Llama-3-8B's)")
+    dk.add_argument("--disk-gib", type=float, default=1.0, help="bytes written and read per shape, GiB (default 1)")
     ar = b.add_argument_group("cpu arena (also part of the default run)")
     ar.add_argument("--arena", action="store_true",
                     help="only the arena rows: start-to-READY and time-to-populated per GiB, cold and warm, the "

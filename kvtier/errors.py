@@ -28,6 +28,17 @@ class CorruptBlock(KvtierError):
     """Bytes read from Redis or shared memory failed verification."""
 
 
+class DiskFault(KvtierError, OSError):
+    """A disk tier I/O failed (ENOSPC, EIO, EROFS, ...): the tier turns itself off."""
+
+    def __init__(self, err: int, op: str, message: str) -> None:
+        super().__init__(err, message)
+        self.op = op
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class SegmentError(KvtierError, OSError):
     """A shared-memory segment could not be created, attached or trusted."""
 

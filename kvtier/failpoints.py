@@ -16,6 +16,7 @@ hardest to recover from (fail-rs and gofail do the same for TiKV and etcd):
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -56,3 +57,30 @@ class Failpoints:
     @staticmethod
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+IO_SPEC = re.compile(r"(eio|enospc|erofs)(?::(read|write))?(?::([1-9][0-9]{0,6}))?")
+
+
+class IoFaults:
+    """Injected I/O errors for the disk tier's fault tests (`[disk] inject_fault`):
+    `<eio|enospc|erofs>[:read|write][:n]` fails the n-th I/O of that kind (default the first)
+    and every one after it, as a device that has failed stays failed. Empty arms nothing."""
+
+    def __init__(self, spec: str = "") -> None:
+        m = IO_SPEC.fullmatch(spec) if spec else None
+        if spec and m is None:
+            raise ValueError(f"inject_fault must be eio, enospc or erofs, optionally ':read' or ':write' and ':<n>'; "
+                             f"got {spec!r}")
+        self.err = {"eio": errno.EIO, "enospc": errno.ENOSPC, "erofs": errno.EROFS}[m.group(1)] if m else 0
+        self.op = (m.group(2) or "") if m else ""
+        self.after = int(m.group(3) or 1) if m else 0
+        self.passed = 0
+
+    def check(self, op: str) -> None:
+        """Count an I/O of kind `op`; raise the injected error once it is due."""
+        if not self.err or (self.op and op != self.op):
+            return
+        self.passed += 1
+        if self.passed >= self.after:
+            raise OSError(self.err, f"{os.strerror(self.err)} (injected)")

@@ -64,6 +64,7 @@ class Kind(IntEnum):
     ARENA = 1  # cpu tier (and the gpu tier when it runs on the CPU)
     GPU_HEADERS = 2  # headers only: the payload is a CUDA tensor shared by IPC
     STAGING = 3  # a client's outbox for put
+    DISK = 4  # a disk tier's block file (kvtier/disk/blockfile.py): headers mapped, payloads by pread
 
 
 class Flags(IntEnum):

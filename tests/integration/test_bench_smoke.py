@@ -93,3 +93,18 @@ def test_cluster_bench_quick_reads_back_exact_bytes_on_1_and_3_masters(tmp_path:
         assert r["correct"] and len(r["keys_per_master"]) == m and all(k > 0 for k in r["keys_per_master"])
         assert all(r[k] > 0 for k in ("put_gbps", "get_gbps", "pull_gbps", "raw_put_gbps", "raw_get_gbps"))
     assert "| cross-node pull | 3 |" in run.stdout
+
+
+def test_bench_disk_quick_verifies_every_block_against_fio(tmp_path: Path) -> None:
+    """`kvtier bench --disk --quick`: fio's bound and the block file's rows on a real ext4 directory;
+    the run fails if a verified read returns other bytes (bench_disk raises)."""
+    out = tmp_path / "disk.json"
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "--disk", "--quick", "--disk-dir", str(tmp_path),
+                          "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    d = json.loads(out.read_text())["disk"]
+    assert d["fio_write_gbps"] > 0 and d["fio_read_gbps"] > 0 and d["write_gbps"] > 0 and d["read_gbps"] > 0
+    if d["fstype"] in ("ext4", "xfs"):
+        assert d["direct"], "these filesystems take O_DIRECT: the block file must use it"
+    assert d["adoption"]["100000"]["headers_per_s"] > 0
+    assert "disk verified random read" in run.stdout

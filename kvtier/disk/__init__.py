@@ -1,0 +1,1 @@
+"""The disk tier's on-disk formats and I/O (no asyncio, no Redis)."""
