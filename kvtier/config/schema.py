@@ -201,6 +201,9 @@ class PolicyConfig:
     # A block a client read straight from Redis (get with remote=True) this many times is
     # brought up into cpu, when cpu has room for it (never by waiting). 0 = never.
     promote_remote_after_reads: int = setting(integer(0), 1)
+    # A block the cpu tier sheds goes to the disk tier (where the pool has one) when it was read
+    # this many times, or its parent was (core/disk_admission.py); else on to Redis. 0 = every block.
+    disk_admit_after: int = setting(integer(0), 1)
 
 
 @dataclass(frozen=True, slots=True)

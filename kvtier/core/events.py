@@ -20,9 +20,9 @@ TokenIds = NewType("TokenIds", bytes)
 
 # 2: facts carry a typed cause (Cause) and a removed fact its why (Reason | Failure), where 1 had
 # strings such as `promote_failed:verify`; 3: clients report reads straight from Redis
-# (RemoteRead); 4: a put may carry its blocks' token ids (for routers' KV events). A daemon
-# rejects (dead-letters) another version's entries.
-SCHEMA_VERSION = 4
+# (RemoteRead); 4: a put may carry its blocks' token ids (for routers' KV events); 5: the disk
+# tier (Tier.DISK = 2, Redis moved to 3). A daemon rejects (dead-letters) another version's entries.
+SCHEMA_VERSION = 5
 
 
 class Tier(enum.IntEnum):
@@ -30,7 +30,8 @@ class Tier(enum.IntEnum):
 
     GPU = 0
     CPU = 1
-    REDIS = 2
+    DISK = 2  # this node's block file (kvtier/disk/); capacity 0 when the pool has none
+    REDIS = 3
 
     @property
     def label(self) -> str:

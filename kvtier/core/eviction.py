@@ -16,6 +16,7 @@ import enum
 
 from kvtier.core.events import Reason, Tier
 from kvtier.core.policy import DROP_REASONS, Placement
+from kvtier.core.residency import NODE
 from kvtier.keys import BlockKey
 
 # How many victims a full tier tries before giving up making room: each one Redis turns out
@@ -47,7 +48,7 @@ def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdi
     # The leaving mark holds one pin; any more is a reader's.
     if idx.children(key) or entry.pins > 1 or p.strands_children(t, key):
         return Verdict.BUSY
-    if t == Tier.GPU and key in p.tiers[Tier.CPU]:
+    if any(key in p.tiers[u] for u in NODE if u > t):  # a copy stays on the node (gpu: cpu or disk; cpu: disk)
         return Verdict.DROP
     if reason in DROP_REASONS and p.reused(key):
         # Read `redis_admit_after_hits` times since it was chosen (or the evict is a late one,
@@ -66,9 +67,10 @@ def after_redis_check(present: bool, reason: Reason) -> Verdict:
 
 def room_victim(p: Placement, t: Tier) -> tuple[BlockKey, Verdict] | None:
     """What full local tier `t` drops to make room for a new block (reason MAKE_ROOM): a block
-    the next tier holds, with DROP (gpu: cpu holds it) or ASK_REDIS (cpu: Redis is believed to
-    hold it, so confirm before the last local copy goes). None when there is no such block."""
+    a tier below holds, with DROP (a tier below on the node holds it) or ASK_REDIS (only Redis is
+    believed to hold it, so confirm before the node's last copy goes). None when there is no such
+    block."""
     key = p.clean_victim(t)
     if key is None:
         return None
-    return key, Verdict.ASK_REDIS if t == Tier.CPU else Verdict.DROP
+    return key, Verdict.DROP if p.held_below(t, key) in NODE else Verdict.ASK_REDIS

@@ -33,3 +33,4 @@ class PolicyKnobs:
     redis_admit_after_hits: int  # 0: every block may go to Redis
     prefetch_to: Tier
     promote_remote_after_reads: int  # 0: blocks read straight from Redis are never brought up
+    disk_admit_after: int  # 0: every block cpu sheds goes to the disk tier (when the pool has one)

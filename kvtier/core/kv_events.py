@@ -22,7 +22,7 @@ from typing import Any
 from kvtier.core.events import Reason, Removed, Stored, Tier
 from kvtier.keys import BlockKey
 
-MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE = "GPU", "CPU", "DISK", "STORAGE"
 TOKENS_NONE: tuple[int, ...] = ()
 
 
@@ -36,6 +36,8 @@ def block_hash(key: bytes) -> int:
 def medium_of(tier: Tier, gpu_on_device: bool) -> str:
     if tier == Tier.REDIS:
         return MEDIUM_STORAGE
+    if tier == Tier.DISK:
+        return MEDIUM_DISK
     if tier == Tier.GPU and gpu_on_device:
         return MEDIUM_GPU
     return MEDIUM_CPU

@@ -41,7 +41,7 @@ from kvtier.core.events import Cause, Command, Copy, Demote, Evict, Failure, Rea
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.promotion import Promotion
-from kvtier.core.residency import LOCAL
+from kvtier.core.residency import LOCAL, NODE
 from kvtier.core.shedding import DROP_REASONS
 from kvtier.core.spill import SpillCopies
 from kvtier.core.write_through import copy_for_fact
@@ -165,7 +165,7 @@ class Placement(Promotion):
         """Whether `key` is here or on its way: a failed promote (perhaps a late one) leaves the
         lease of such a block alone."""
         return key in self._wanted or any(self.tiers[t].get(key) is not None or key in self._incoming[t]
-                                          for t in LOCAL)
+                                          for t in NODE)
 
     def revert(self, cmds: Iterable[Command]) -> None:
         """The commands were never published: undo what deciding them marked."""
@@ -183,7 +183,7 @@ class Placement(Promotion):
         above its high watermark (counting prefetched blocks still waiting for room)."""
         self._expire(now)
         out = self._promote_wanted(now)
-        for t in LOCAL:
+        for t in NODE:
             out.extend(self._shed(t, now))
         return out
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from kvtier.core.events import Command, Promote, Tier
 from kvtier.core.index import State, TierIndex
 from kvtier.core.knobs import PolicyKnobs
-from kvtier.core.residency import LOCAL
+from kvtier.core.residency import LOCAL, NODE
 from kvtier.core.shedding import Shedding
 from kvtier.core.write_through import copy_on_read
 from kvtier.keys import BlockKey
@@ -42,15 +42,21 @@ class Promotion(Shedding):
     def on_access(self, keys: Iterable[BlockKey], now: float) -> list[Command]:
         self._expire(now)
         out: list[Command] = []
-        gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
+        gpu, cpu, disk = self.tiers[Tier.GPU], self.tiers[Tier.CPU], self.tiers[Tier.DISK]
         for key in keys:
             self._leases.pop(key, None)  # read: the lease has served its purpose
             g = gpu.touch(key)
             c = cpu.touch(key)
+            d = disk.touch(key)
             if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
                     and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
                 self._incoming[Tier.GPU].add(key, c.parent, now + self.knobs.transfer_timeout_s)
+            elif (g is None and c is None and d is not None and d.state is State.READY and self.room(Tier.CPU) > 0
+                  and d.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.CPU]):
+                # Read from disk often enough: back up into memory while cpu has a free slot.
+                out.append(Promote(self.pool, key, d.parent, Tier.DISK, Tier.CPU, d.slot, 0))
+                self._incoming[Tier.CPU].add(key, d.parent, now + self.knobs.transfer_timeout_s)
             if (copy := copy_on_read(self, self.knobs, self.pool, key, g, c)) is not None:
                 out.append(copy)
         return out
@@ -80,7 +86,8 @@ class Promotion(Shedding):
                         if len(self._wanted) < (cpu.capacity or 0) // 2:
                             self._wanted[key] = (parent, expiry)
                     else:
-                        out.append(Promote(self.pool, key, parent, Tier.REDIS, dst, -1, 0))
+                        src, slot = self._source(key)
+                        out.append(Promote(self.pool, key, parent, src, dst, slot, 0))
                         self._incoming[dst].add(key, parent, now + self.knobs.transfer_timeout_s)
             elif (to_gpu and g is None and c is not None and c.state is State.READY
                   and self.room(Tier.GPU) > 0 and key not in self._incoming[Tier.GPU]):
@@ -93,7 +100,7 @@ class Promotion(Shedding):
                 # Leased: a move out decided before this prefetch is called off, so that the
                 # block stays on the node until it is read (a late evict finds it no longer
                 # leaving and skips it; a write-back that completes leaves a spare copy below).
-                for t in LOCAL:
+                for t in NODE:
                     if (e := self.tiers[t].get(key)) is not None and e.leaving:
                         self._unmark(t, key)
             parent = key
@@ -110,7 +117,7 @@ class Promotion(Shedding):
         spares: int | None = None
         parent = head_parent
         for key in keys:
-            here = any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL)
+            here = any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in NODE)
             if not here and key not in self._wanted:
                 reads = self._remote_reads.pop(key, 0) + 1
                 ready = reads >= n
@@ -142,6 +149,15 @@ class Promotion(Shedding):
             parent, _ = self._wanted.pop(key)
             if any(self.tiers[t].get(key) is not None or key in self._incoming[t] for t in LOCAL):
                 continue
-            out.append(Promote(self.pool, key, parent, Tier.REDIS, Tier.CPU, -1, 0))
+            src, slot = self._source(key)
+            out.append(Promote(self.pool, key, parent, src, Tier.CPU, slot, 0))
             self._incoming[Tier.CPU].add(key, parent, now + self.knobs.transfer_timeout_s)
         return out
+
+    def _source(self, key: BlockKey) -> tuple[Tier, int]:
+        """Where a block not in memory is promoted from: this node's disk tier when it holds it
+        (a local read), else Redis."""
+        d = self.tiers[Tier.DISK].get(key)
+        if d is not None and d.state is State.READY:
+            return Tier.DISK, d.slot
+        return Tier.REDIS, -1

@@ -14,25 +14,40 @@ from kvtier.core.events import Tier
 from kvtier.core.index import Entry, State, TierIndex
 from kvtier.keys import BlockKey
 
+# The memory tiers: clients read them through shared memory; puts, prefetches and promotions on
+# hits land there.
 LOCAL = (Tier.GPU, Tier.CPU)
+# Every tier on this node: the memory tiers and the disk tier below them. A block in any of them
+# has not left the node.
+NODE = (Tier.GPU, Tier.CPU, Tier.DISK)
 
 
 class Residency:
-    """`tiers` maps every Tier to its index (Redis: the blocks known to be there)."""
+    """`tiers` maps every Tier to its index (Redis: the blocks known to be there). A pool without
+    a disk tier gets an empty one (capacity 0), so every rule can ask it."""
 
     def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
+        tiers.setdefault(Tier.DISK, TierIndex(0))
         self.tiers = tiers
 
     def where(self, key: BlockKey) -> Tier | None:
         """The highest tier known to hold `key` as a visible block."""
-        for t in (Tier.GPU, Tier.CPU, Tier.REDIS):
+        for t in Tier:
             if key in self.tiers[t]:
                 return t
         return None
 
+    def below(self, t: Tier) -> Tier:
+        """The tier `t` sheds into: the next one down that exists (cpu skips a disk tier of
+        capacity 0 and sheds into Redis)."""
+        for u in Tier:
+            if u > t and (u == Tier.REDIS or self.tiers[u].capacity):
+                return u
+        raise ValueError(f"{t.label} is the lowest tier")
+
     def ready_in(self, key: BlockKey) -> tuple[Tier, Entry] | None:
-        """The highest local tier holding `key` as a visible block, with its entry."""
-        for t in LOCAL:
+        """The highest tier on this node holding `key` as a visible block, with its entry."""
+        for t in NODE:
             if (e := self.tiers[t].get(key)) is not None and e.state is State.READY:
                 return t, e
         return None
@@ -62,17 +77,17 @@ class Residency:
         self.tiers[t].remove(key)
 
     def dropped(self, t: Tier, key: BlockKey) -> None:
-        """A worker dropped `key` from local tier `t`. Once no local tier holds it, its Redis copy
-        is forgotten too: the daemon needs to know about Redis only for blocks it might drop
-        locally, which keeps that record bounded by local capacity."""
+        """A worker dropped `key` from node tier `t`. Once no tier on the node holds it, its Redis
+        copy is forgotten too: the daemon needs to know about Redis only for blocks it might drop
+        here, which keeps that record bounded by the node's capacity."""
         self.tiers[t].remove(key)
-        if all(self.tiers[u].get(key) is None for u in LOCAL):
+        if all(self.tiers[u].get(key) is None for u in NODE):
             self.tiers[Tier.REDIS].remove(key)
 
     def in_redis(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Redis holds `key` now (written there, or read back from there). Remembered, and True,
-        only while a local copy exists: eviction consults this record, and `dropped` ends it."""
-        if all(self.tiers[t].get(key) is None for t in LOCAL):
+        only while a copy on the node exists: eviction consults this record, and `dropped` ends it."""
+        if all(self.tiers[t].get(key) is None for t in NODE):
             return False
         self.tiers[Tier.REDIS].add(key, parent)
         return True

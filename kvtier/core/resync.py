@@ -19,7 +19,7 @@ from typing import Protocol
 from kvtier.core.events import Copy, Tier
 from kvtier.core.knobs import RedisWrite
 from kvtier.core.policy import Placement
-from kvtier.core.residency import LOCAL
+from kvtier.core.residency import NODE
 from kvtier.keys import BlockKey
 
 
@@ -38,7 +38,7 @@ class ResyncSweep:
         self._next = 0  # where the next round starts, in the order of `_local()`
 
     def _local(self) -> list[BlockKey]:
-        return list(dict.fromkeys(e.key for t in LOCAL for e in self._p.tiers[t].ready()))
+        return list(dict.fromkeys(e.key for t in NODE for e in self._p.tiers[t].ready()))
 
     def next_keys(self, n: int) -> list[BlockKey]:
         """The next `n` local blocks to check (fewer when the node holds fewer)."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, TierIndex
-from kvtier.core.residency import LOCAL, Residency
+from kvtier.core.residency import NODE, Residency
 from kvtier.keys import BlockKey
 
 # How many of a tier's coldest blocks a put that does not fit looks through for clean ones.
@@ -70,7 +70,7 @@ class InFlight:
 class Room(Residency):
     def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
         super().__init__(tiers)
-        self._incoming: dict[Tier, InFlight] = {t: InFlight() for t in LOCAL}
+        self._incoming: dict[Tier, InFlight] = {t: InFlight() for t in NODE}
         self._leases: dict[BlockKey, float] = {}  # prefetched key -> lease expiry
         # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
         # first): key -> (parent, give-up time). Promoted as shedding frees room (core/promotion.py).
@@ -109,12 +109,20 @@ class Room(Residency):
             if not idx.children(e.key) and self._clean(t, e):
                 yield e.key
 
+    def held_below(self, t: Tier, key: BlockKey) -> Tier | None:
+        """A tier below `t` that holds `key`, so `t` may drop its copy: a node tier first; Redis
+        only below cpu and disk (gpu's copy does not leave the node for Redis this way)."""
+        for u in NODE:
+            if u > t and key in self.tiers[u]:
+                return u
+        return Tier.REDIS if t != Tier.GPU and key in self.tiers[Tier.REDIS] else None
+
     def _clean(self, t: Tier, e: Entry) -> bool:
-        """`e` may be dropped from `t` as soon as no child of it is left there: the next tier
+        """`e` may be dropped from `t` as soon as no child of it is left there: a tier below
         holds it, and nothing else keeps it. A block already leaving for the tier below counts:
         its pin is ours, not a reader's."""
-        lower = Tier(t + 1)
-        return (e.pins == int(e.leaving) and e.key in self.tiers[lower] and e.key not in self._leases
+        lower = self.held_below(t, e.key)
+        return (e.pins == int(e.leaving) and lower is not None and e.key not in self._leases
                 and not self.strands_children(t, e.key, lower))
 
     def _clean_spares(self, t: Tier, want: int) -> int:
@@ -142,11 +150,17 @@ class Room(Residency):
         return self.tiers[t].children(key) + self._incoming[t].kids(key)
 
     def strands_children(self, t: Tier, key: BlockKey, dst: Tier | None = None) -> bool:
-        """Whether `key` leaving local tier `t` (for `dst`) would take it off the node while a
-        child of it stays in the other local tier (resident, or on its way in): every lookup and
-        read of that prefix would then stop short of the cached tail. Leaving cpu means leaving
-        the node (its gpu children keep it); leaving gpu does when cpu does not hold it and it is
-        not going there."""
-        if t == Tier.CPU:
-            return self.children(Tier.GPU, key) > 0
-        return dst != Tier.CPU and key not in self.tiers[Tier.CPU] and self.children(Tier.CPU, key) > 0
+        """Whether `key` leaving node tier `t` (for `dst`) would take it off the node while a
+        child of it stays in another node tier (resident, or on its way in): every lookup and
+        read of that prefix would then stop short of the cached tail. Going down into a node
+        tier (gpu to cpu, cpu or gpu to disk) keeps it on the node. Leaving cpu or disk for Redis
+        means leaving the node (children in the tiers above keep it, and a cpu block's children
+        on disk); leaving gpu does when no tier below on the node holds it."""
+        if dst is None:  # dropped: the copy that stays is the one below, if any (else it leaves the node)
+            dst = self.held_below(t, key) or Tier.REDIS
+        if dst in NODE:
+            return False
+        if t == Tier.GPU:
+            return (all(key not in self.tiers[u] for u in (Tier.CPU, Tier.DISK))
+                    and any(self.children(u, key) > 0 for u in (Tier.CPU, Tier.DISK)))
+        return any(self.children(u, key) > 0 for u in NODE if u != t)

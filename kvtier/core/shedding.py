@@ -19,10 +19,11 @@ until its worker acts, the command fails, or `transfer_timeout_s` passes.
 
 from __future__ import annotations
 
+from kvtier.core.disk_admission import AdmissionCounts, DiskAdmit, disk_admission
 from kvtier.core.events import Command, Demote, Evict, Reason, Tier
-from kvtier.core.index import TierIndex
+from kvtier.core.index import Entry, TierIndex
 from kvtier.core.knobs import PolicyKnobs
-from kvtier.core.residency import LOCAL
+from kvtier.core.residency import NODE
 from kvtier.core.room import Room
 from kvtier.keys import BlockKey
 
@@ -40,12 +41,13 @@ class Shedding(Room):
         # once (gpu -> cpu done, its gpu evict not yet carried out, cpu -> redis under way), so
         # the fact alone does not say which copy a completed write-back releases.
         self._demoting: dict[tuple[Tier, BlockKey], Tier] = {}
+        self.disk_admissions = AdmissionCounts()  # why blocks shed from cpu went to disk, or did not
 
     def reused(self, key: BlockKey) -> bool:
         """Whether Redis should admit this block (the frequency filter): read often enough, or no
         filter. The filter's drop (reason "unreused") is for the others only."""
         n = self.knobs.redis_admit_after_hits
-        return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in LOCAL)
+        return not n or any((e := self.tiers[t].get(key)) is not None and e.hits >= n for t in NODE)
 
     def refused(self, t: Tier, key: BlockKey) -> None:
         """A worker refused to evict: the block stays and may be chosen again."""
@@ -59,7 +61,7 @@ class Shedding(Room):
     def _unmark(self, t: Tier, key: BlockKey) -> None:
         """`key` no longer leaves `t`: its mark, and any write-back of it from `t`, are called off."""
         self._leaving.pop((t, key), None)
-        for dst in (Tier.CPU, Tier.REDIS):
+        for dst in (Tier.CPU, Tier.DISK, Tier.REDIS):
             if self._demoting.get((dst, key)) == t:
                 del self._demoting[(dst, key)]
         self.tiers[t].clear_leaving(key)
@@ -73,7 +75,7 @@ class Shedding(Room):
         if staying <= self.knobs.high_watermark * idx.capacity:
             return []
         excess = staying - int(self.knobs.low_watermark * idx.capacity)
-        lower = Tier(t + 1)
+        lower = self.below(t)
         give_up = now + self.knobs.transfer_timeout_s
         out: list[Command] = []
         for key in list(idx.candidates()):
@@ -84,12 +86,23 @@ class Shedding(Room):
             e = idx.get(key)
             assert e is not None
             dst = lower
-            if lower == Tier.CPU and key not in self.tiers[lower] and self.room(Tier.CPU) <= 0:
+            if (held := self.held_below(t, key)) in NODE:
+                dst = held  # a copy further down on the node (gpu: on disk): evicted clean, nothing to write
+            elif lower == Tier.CPU and key not in self.tiers[lower] and self.room(Tier.CPU) <= 0:
                 # cpu is full, perhaps of the very parents of these gpu blocks, which may not
                 # leave before them: write the gpu block straight to Redis rather than deadlock.
                 dst = Tier.REDIS
-            if self.strands_children(t, key, dst):
-                continue  # tail first across tiers too: it waits for room in cpu, or for its children
+            admitted = None
+            if dst == Tier.DISK and key not in self.tiers[Tier.DISK]:
+                admitted = self._disk_verdict(e) if self.room(Tier.DISK) > 0 else None
+                if admitted is None or not admitted.admitted:
+                    dst = Tier.REDIS  # not worth a disk write (or no room there): on to Redis as before
+            if self.strands_children(t, key, dst) or (dst, key) in self._demoting:
+                # Tail first across tiers too: it waits for room in cpu, or for its children. And one
+                # write-back of a block into a tier at a time (the fact settles one source).
+                continue
+            if admitted is not None:
+                self.disk_admissions.counts[admitted] += 1
             if key in self.tiers[dst]:
                 out.append(Evict(self.pool, key, t, Reason.CLEAN))
             elif dst == Tier.REDIS and not self.reused(key):
@@ -103,3 +116,11 @@ class Shedding(Room):
             self._leaving[(t, key)] = give_up
             excess -= 1
         return out
+
+    def _disk_verdict(self, e: Entry) -> DiskAdmit:
+        """Whether a block cpu sheds deserves a disk write (core/disk_admission.py): its reads,
+        and its parent's on this node."""
+        parent = None
+        if e.parent is not None:
+            parent = max((p.hits for t in NODE if (p := self.tiers[t].get(e.parent)) is not None), default=None)
+        return disk_admission(self.knobs.disk_admit_after, e.hits, parent)

@@ -243,6 +243,8 @@ class Daemon:
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
+            if t == Tier.DISK:
+                continue  # no pool has a disk tier yet (issue 30: its worker is not built), so no command goes there
             worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
                                 off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
                                 copy_threads=cfg.daemon.copy_threads or default_copy_threads(),

@@ -12,6 +12,8 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
     tiers = {}
     for t in Tier:
         idx = rt.placement.tiers[t]
+        if t == Tier.DISK and not idx.capacity:
+            continue  # the pool has no disk tier
         c = rt.counters.tiers[t.label]
         # Redis: blocks this daemon wrote and has not deleted (TTL expiry and other nodes'
         # writes are not seen); local tiers: blocks resident now.

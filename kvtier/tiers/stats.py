@@ -54,7 +54,7 @@ class PoolCounters:
     resync_missing: int = 0  # local blocks the re-replication sweep found missing in Redis
     resync_copies: int = 0  # of those, copied to Redis again (write-through)
     tiers: dict[str, TierCounters] = field(
-        default_factory=lambda: {t: TierCounters() for t in ("gpu", "cpu", "redis")}
+        default_factory=lambda: {t: TierCounters() for t in ("gpu", "cpu", "disk", "redis")}
     )
 
     def as_dict(self) -> dict[str, Any]:

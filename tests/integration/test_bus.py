@@ -37,7 +37,7 @@ def test_stream_names() -> None:
     assert NAMES.facts == "kvtier:{node-a}:facts"
     assert NAMES.dlq == "kvtier:{node-a}:dlq"
     assert NAMES.all() == (
-        NAMES.client, *(NAMES.tier(t) for t in (Tier.GPU, Tier.CPU, Tier.REDIS)), NAMES.facts, NAMES.dlq
+        NAMES.client, *(NAMES.tier(t) for t in (Tier.GPU, Tier.CPU, Tier.DISK, Tier.REDIS)), NAMES.facts, NAMES.dlq
     )
     with pytest.raises(ValueError):
         StreamNames("a}b")

@@ -26,8 +26,9 @@ def knobs(**changed) -> PolicyKnobs:
     return replace(policy_knobs(PolicyConfig()), **changed)
 
 
-def placement(gpu: int = 10, cpu: int = 10, **changed) -> Placement:
-    tiers = {Tier.GPU: TierIndex(gpu), Tier.CPU: TierIndex(cpu), Tier.REDIS: TierIndex(None)}
+def placement(gpu: int = 10, cpu: int = 10, disk: int = 0, **changed) -> Placement:
+    tiers = {Tier.GPU: TierIndex(gpu), Tier.CPU: TierIndex(cpu), Tier.DISK: TierIndex(disk),
+             Tier.REDIS: TierIndex(None)}
     return Placement(POOL, tiers, knobs(**changed))
 
 

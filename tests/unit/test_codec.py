@@ -179,7 +179,7 @@ def test_missing_and_extra_body_fields_are_named() -> None:
     (EVENTS[0], "keys", [K1, bytes(31)], "access.keys[1]: expected a 32-byte key"),
     (EVENTS[0], "keys", K1, "access.keys: expected a list"),
     (EVENTS[3], "head_parent", b"", "prefetch.head_parent: expected a 32-byte key, got 0 bytes"),
-    (EVENTS[8], "tier", 3, "evict.tier: unknown tier 3"),
+    (EVENTS[8], "tier", 4, "evict.tier: unknown tier 4"),
     (EVENTS[8], "tier", -1, "evict.tier: unknown tier"),
     (EVENTS[8], "tier", True, "evict.tier: unknown tier True"),
     (EVENTS[8], "tier", "gpu", "evict.tier: unknown tier"),

@@ -35,8 +35,9 @@ from kvtier.core.policy import DROP_REASONS, Placement
 from tests.support.placement import knobs
 
 POOL = "p"
-GPU, CPU, REDIS = Tier.GPU, Tier.CPU, Tier.REDIS
-LOCAL = (GPU, CPU)
+GPU, CPU, DISK, REDIS = Tier.GPU, Tier.CPU, Tier.DISK, Tier.REDIS
+LOCAL = (GPU, CPU)  # the memory tiers: puts and promotions land there
+NODE = (GPU, CPU, DISK)  # this node's tiers: a block in any of them has not left the node
 BLOCK_BYTES = 8
 LEASE, T = 5.0, 30.0  # prefetch_lease_s, transfer_timeout_s
 
@@ -77,7 +78,7 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 1000.0
         self.data: dict[Tier, dict[bytes, bytes]] = {t: {} for t in Tier}  # the bytes each tier holds
-        self.headers: dict[Tier, dict[int, bytes]] = {t: {} for t in LOCAL}  # slot -> key, as in slot headers
+        self.headers: dict[Tier, dict[int, bytes]] = {t: {} for t in NODE}  # slot -> key, as in slot headers
         self.pins: Counter[tuple[Tier, bytes]] = Counter()  # readers' pins taken by the test
         self.leases: dict[bytes, float] = {}  # prefetched, not yet read -> lease expiry
         self.stored: set[bytes] = set()  # reported stored, and not since lost by a documented rule
@@ -92,17 +93,21 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @initialize(write=st.sampled_from(RedisWrite), admit_after=st.sampled_from([0, 2]),
                 prefetch_to=st.sampled_from([CPU, GPU]), high=st.sampled_from([0.9, 1.0]),
-                gpu=st.sampled_from([2, 3]), cpu=st.sampled_from([3, 5]))
-    def configure(self, write, admit_after, prefetch_to, high, gpu, cpu) -> None:
-        """Knobs and sizes per run; high_watermark 1.0 never sheds: tiers fill, workers make room."""
-        self.cap = {GPU: gpu, CPU: cpu}
+                gpu=st.sampled_from([2, 3]), cpu=st.sampled_from([3, 5]), disk=st.sampled_from([0, 2, 3]),
+                disk_admit=st.sampled_from([0, 1]))
+    def configure(self, write, admit_after, prefetch_to, high, gpu, cpu, disk, disk_admit) -> None:
+        """Knobs and sizes per run; high_watermark 1.0 never sheds: tiers fill, workers make room.
+        A disk of 0 is a pool without a disk tier."""
+        self.cap = {GPU: gpu, CPU: cpu, DISK: disk}
         self.knobs = knobs(high_watermark=high, low_watermark=0.6, promote_after_hits=2,
                            prefetch_lease_s=LEASE, transfer_timeout_s=T, redis_write=write,
-                           redis_admit_after_hits=admit_after, prefetch_to=prefetch_to)
+                           redis_admit_after_hits=admit_after, prefetch_to=prefetch_to,
+                           disk_admit_after=disk_admit)
         self._fresh()
 
     def _fresh(self) -> None:
-        self.idx = {GPU: TierIndex(self.cap[GPU]), CPU: TierIndex(self.cap[CPU]), REDIS: TierIndex(None)}
+        self.idx = {GPU: TierIndex(self.cap[GPU]), CPU: TierIndex(self.cap[CPU]), DISK: TierIndex(self.cap[DISK]),
+                    REDIS: TierIndex(None)}
         self.p = Placement(POOL, self.idx, self.knobs)
 
     # --- the executor: TierWorker, synchronously ------------------------------------------------
@@ -135,7 +140,7 @@ class PolicyMachine(RuleBasedStateMachine):
         """What a fact changes in the model besides the tiers, as on_fact does in the policy."""
         # The policy gives up the lease of what never came, not of a block that is here (a late
         # failure must not end the lease of a newer prefetch).
-        here = any(fact.key in self.data[t] for t in LOCAL)
+        here = any(fact.key in self.data[t] for t in NODE)
         if isinstance(fact, Removed) and fact.cause == Cause.PROMOTE and not here:
             self.leases.pop(fact.key, None)
 
@@ -149,7 +154,7 @@ class PolicyMachine(RuleBasedStateMachine):
             fact = self.evict(cmd)
         else:
             fact = self.transfer(cmd)
-        if dst in LOCAL and not isinstance(cmd, Evict):  # what the outcome says, against what happened
+        if dst in NODE and not isinstance(cmd, Evict):  # what the outcome says, against what happened
             o = self.outcome
             assert not (here and o.count in MOVED_IN), f"{cmd}: counted as moved in, but {dst.label} held it already"
             assert not (o.count is Count.FAILED and cmd.key in self.data[dst]), \
@@ -221,11 +226,11 @@ class PolicyMachine(RuleBasedStateMachine):
             o = kept(verdict)
             assert o.fact is None, f"{c}: {verdict} reports {o.fact}"
             return self.settle(c, o)
-        # Neither lower tier holds it: a documented drop (the frequency filter), of a block read too little.
-        if not ((c.tier == GPU and c.key in self.idx[CPU]) or in_redis):
+        # No lower tier holds it: a documented drop (the frequency filter), of a block read too little.
+        if not (any(c.key in self.idx[u] for u in NODE if u > c.tier) or in_redis):
             assert c.reason in DROP_REASONS, f"{c}: dropped the only copy"
             n = self.knobs.redis_admit_after_hits
-            assert all(x.hits < n for t in LOCAL if (x := self.idx[t].get(c.key))), \
+            assert all(x.hits < n for t in NODE if (x := self.idx[t].get(c.key))), \
                 f"{c.reason} drop of a block read {n} times"
             if all(c.key not in self.data[t] for t in Tier if t != c.tier):
                 self.stored.discard(c.key)  # gone by a documented rule
@@ -271,7 +276,8 @@ class PolicyMachine(RuleBasedStateMachine):
             if verdict is Verdict.ASK_REDIS:
                 verdict = after_redis_check(self.redis_has(victim), Reason.MAKE_ROOM)
             if verdict is Verdict.DROP:
-                assert victim in self.idx[Tier(t + 1)] or victim in self.data[REDIS], f"{victim!r}: the only copy"
+                assert any(victim in self.idx[u] for u in NODE if u > t) or victim in self.data[REDIS], \
+                    f"{victim!r}: the only copy"
                 self.drop(t, victim, Reason.MAKE_ROOM)
                 self.extra.append(self.settle(None, evicted(POOL, victim, t, Reason.MAKE_ROOM)))
                 return True
@@ -284,13 +290,13 @@ class PolicyMachine(RuleBasedStateMachine):
         assert idx.children(k) == 0, f"{k!r} dropped from {t.label} before its {idx.children(k)} children"
         # A lease keeps a prefetched block on the node until it is read; a move that was decided
         # before the prefetch may still finish, as long as it leaves a local copy.
-        assert self.leases.get(k, 0.0) <= self.now or any(k in self.data[u] for u in LOCAL if u != t), \
-            f"{k!r} left the node under a prefetch lease"
-        if t == CPU:
-            assert self.idx[GPU].children(k) == 0, f"{k!r} left the node while a child sits in gpu"
-        else:
-            assert k in self.data[CPU] or self.idx[CPU].children(k) == 0, \
-                f"{k!r} left the node while a child sits in cpu"
+        stays = any(k in self.data[u] for u in NODE if u != t)  # another copy on the node
+        assert self.leases.get(k, 0.0) <= self.now or stays, f"{k!r} left the node under a prefetch lease"
+        if not stays:
+            for u in NODE:
+                assert u == t or self.idx[u].children(k) == 0, f"{k!r} left the node while a child sits in {u.label}"
+        if t == CPU and k not in self.data[DISK]:  # a cpu block with gpu children keeps its node copy below it
+            assert self.idx[GPU].children(k) == 0, f"{k!r} left cpu for Redis while a child sits in gpu"
         del self.headers[t][idx.get(k).slot]
         del self.data[t][k]
         self.p.dropped(t, k)
@@ -304,16 +310,20 @@ class PolicyMachine(RuleBasedStateMachine):
         self.expired()
         for c in shed:  # the decisions themselves: evictable blocks, and safe ways out
             if isinstance(c, Promote):  # a prefetched block that waited for a cpu slot
-                assert (c.src, c.dst) == (REDIS, CPU) and self.p.tiers[CPU].get(c.key) is None, c
+                assert c.src in (REDIS, DISK) and c.dst == CPU and self.p.tiers[CPU].get(c.key) is None, c
                 continue
             t = c.tier if isinstance(c, Evict) else c.src
             e = self.idx[t].get(c.key)
             assert e.leaving and e.pins == 1 and not self.pins[(t, c.key)], f"{c}: pinned"
             assert not self.idx[t].children(c.key), f"{c}: a parent of resident blocks"
             assert self.leases.get(c.key, 0.0) <= self.now, f"{c}: under a prefetch lease"
-            assert t == GPU or not self.idx[GPU].children(c.key), f"{c}: parent of gpu blocks"
-            assert not (t == GPU and isinstance(c, Demote) and c.dst == REDIS and self.idx[CPU].children(c.key)), \
-                f"{c}: sends a parent of cpu blocks off the node"
+            on_node = ((isinstance(c, Demote) and c.dst in NODE)
+                       or (isinstance(c, Evict) and any(c.key in self.idx[u] for u in NODE if u > t)))
+            assert t == GPU or on_node or not self.idx[GPU].children(c.key), f"{c}: parent of gpu blocks"
+            assert t != DISK or not self.idx[CPU].children(c.key), f"{c}: parent of cpu blocks off the node"
+            assert not (t == GPU and isinstance(c, Demote) and c.dst == REDIS
+                        and (self.idx[CPU].children(c.key) or self.idx[DISK].children(c.key))), \
+                f"{c}: sends a parent of cpu or disk blocks off the node"
             if isinstance(c, Evict):
                 assert c.reason in DROP_REASONS or any(c.key in self.idx[u] for u in Tier if u > t), c
         chosen = [c for c in shed if not isinstance(c, Promote)]
@@ -335,13 +345,13 @@ class PolicyMachine(RuleBasedStateMachine):
         self.leases = {k: u for k, u in self.leases.items() if u > self.now}
 
     def resident(self) -> list[tuple[Tier, bytes]]:
-        return [(t, k) for t in LOCAL for k in sorted(self.data[t])]
+        return [(t, k) for t in NODE for k in sorted(self.data[t])]
 
     def snapshot(self):
         def entries(t):
             return sorted((e.key, e.slot, e.state.value, e.pins, e.leaving, e.parent)
                           for e in self.idx[t].ready())
-        return ([entries(t) for t in Tier], [[e.key for e in self.idx[t].ready()] for t in LOCAL],
+        return ([entries(t) for t in Tier], [[e.key for e in self.idx[t].ready()] for t in NODE],
                 {t: dict(d) for t, d in self.data.items()})
 
     # --- rules ----------------------------------------------------------------------------------
@@ -365,7 +375,7 @@ class PolicyMachine(RuleBasedStateMachine):
         """A client reads the blocks it finds locally (exact bytes) and reports them."""
         local = sorted({k for _, k in self.resident()})
         keys = data.draw(st.lists(st.sampled_from(local or KEYS) | st.sampled_from(KEYS), max_size=4))
-        hits = [k for k in keys if self.p.where(k) in LOCAL]
+        hits = [k for k in keys if self.p.where(k) in NODE]  # disk blocks too: clients read them
         for k in hits:
             assert self.data[self.p.where(k)][k] == bytes_of(k), "lookup returned the wrong bytes"
             self.leases.pop(k, None)
@@ -373,12 +383,17 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), lost=lose)
     def prefetch(self, data, lost) -> None:
-        """Bring a chain up from Redis: mostly one that only Redis holds, as `locate` reports it."""
-        remote = [p for p in PATHS if all(k in self.data[REDIS] and self.p.where(k) not in LOCAL for k in p)]
+        """Bring a chain up from Redis or disk: mostly one that memory lacks, as `locate` reports it."""
+        below = lambda k: k in self.data[REDIS] or k in self.data[DISK]  # noqa: E731
+        remote = [p for p in PATHS if all(below(k) and self.p.where(k) not in LOCAL for k in p)]
         path = data.draw(st.sampled_from(remote or PATHS) | paths)
         cmds = self.p.on_prefetch(list(path), PARENT[path[0]], self.now)
-        for k in path:  # leased, up to half the local slots
-            if len(self.leases) < (self.cap[GPU] + self.cap[CPU]) // 2:
+        # Leased, up to half the memory slots. Which blocks get one under that cap is the policy's
+        # call: a lost promote keeps its block's lease (and a cap slot) in the policy while it may
+        # still come, which the model cannot see; it checks the cap and that no leased block is shed.
+        assert len(self.p._leases) <= (self.cap[GPU] + self.cap[CPU]) // 2
+        for k in path:
+            if k in self.p._leases:
                 self.leases[k] = self.now + LEASE
         self.flush(cmds, lost)
 
@@ -392,7 +407,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.now += dt
         self.flush([], lost)
 
-    @precondition(lambda self: sum(self.pins.values()) < 3 and any(self.data[t] for t in LOCAL))
+    @precondition(lambda self: sum(self.pins.values()) < 3 and any(self.data[t] for t in NODE))
     @rule(data=st.data())
     def pin(self, data) -> None:
         t, k = data.draw(st.sampled_from(self.resident()))
@@ -412,7 +427,7 @@ class PolicyMachine(RuleBasedStateMachine):
         """Redis drops a key by TTL; nobody tells the daemon. The documented way blocks leave."""
         k = data.draw(st.sampled_from(sorted(self.data[REDIS])))
         del self.data[REDIS][k]
-        if all(k not in self.data[t] for t in LOCAL):
+        if all(k not in self.data[t] for t in NODE):
             self.stored.discard(k)
 
     @rule()
@@ -446,8 +461,8 @@ class PolicyMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.history) >= 30)  # some traffic since the last one
     @rule()
     def restart(self) -> None:
-        """The daemon restarts: gpu is gone, cpu re-indexed from its slot headers, Redis kept."""
-        self.stored -= {k for k in self.data[GPU] if k not in self.data[CPU] and k not in self.data[REDIS]}
+        """The daemon restarts: gpu is gone, cpu and disk re-indexed from their slot headers, Redis kept."""
+        self.stored -= {k for k in self.data[GPU] if all(k not in self.data[t] for t in (CPU, DISK, REDIS))}
         self.data[GPU].clear()
         self.headers[GPU].clear()
         self.pins.clear()
@@ -455,14 +470,15 @@ class PolicyMachine(RuleBasedStateMachine):
         self.staged.clear()
         self.history, self.parked, self.lost_until = [], [], None
         self._fresh()
-        for slot, k in sorted(self.headers[CPU].items()):
-            assert self.idx[CPU].add(k, PARENT[k], slot) is not None
+        for t in (CPU, DISK):
+            for slot, k in sorted(self.headers[t].items()):
+                assert self.idx[t].add(k, PARENT[k], slot) is not None
 
     # --- invariants -----------------------------------------------------------------------------
 
     @invariant()
     def within_capacity(self) -> None:
-        for t in LOCAL:
+        for t in NODE:
             idx = self.idx[t]
             assert idx.used <= self.cap[t] and idx.free + idx.used == self.cap[t]
             assert len(self.data[t]) * BLOCK_BYTES <= self.cap[t] * BLOCK_BYTES
@@ -470,7 +486,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @invariant()
     def present_means_exact_bytes(self) -> None:
-        for t in LOCAL:
+        for t in NODE:
             ready = {e.key: e for e in self.idx[t].ready()}
             assert ready.keys() == self.data[t].keys() == set(self.headers[t].values())
             assert len(self.idx[t]) == len(ready), "a PENDING entry outlived its transfer"
@@ -481,12 +497,12 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_lost(self) -> None:
-        held = set(self.data[GPU]) | set(self.data[CPU]) | set(self.data[REDIS])
+        held = set(self.data[GPU]) | set(self.data[CPU]) | set(self.data[DISK]) | set(self.data[REDIS])
         assert self.stored <= held, f"lost without a documented rule: {sorted(self.stored - held)}"
 
     @invariant()
     def pins_are_readers_plus_leaving_marks(self) -> None:
-        for t in LOCAL:
+        for t in NODE:
             for e in self.idx[t].ready():
                 assert e.pins == self.pins[(t, e.key)] + e.leaving, f"{e.key!r} pins leak in {t.label}"
         assert all(self.idx[t].get(k) is not None for (t, k), n in self.pins.items() if n)
@@ -494,15 +510,16 @@ class PolicyMachine(RuleBasedStateMachine):
     @invariant()
     def redis_record_only_for_local_blocks(self) -> None:
         for e in self.idx[REDIS].ready():
-            assert any(self.idx[t].get(e.key) is not None for t in LOCAL)
+            assert any(self.idx[t].get(e.key) is not None for t in NODE)
 
     @invariant()
     def in_flight_marks_settle_or_expire(self) -> None:
-        for t in LOCAL:
+        for t in NODE:
             idx = self.idx[t]
             assert idx.leaving == sum(e.leaving for e in idx.ready())
             if self.lost_until is None:  # every command ran to its fact, or its marks expired
-                assert idx.leaving == 0 and self.p.incoming(t) == 0, f"{t.label} keeps stale marks"
+                assert idx.leaving == 0 and self.p.incoming(t) == 0, \
+                    f"{t.label} keeps stale marks: leaving {[e.key for e in idx.ready() if e.leaving]}"
 
 
 TestPolicyState = PolicyMachine.TestCase
