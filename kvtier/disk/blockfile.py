@@ -54,6 +54,7 @@ from kvtier.shm.slots import (
     SlotHeader,
     checksum,
     parse_segment_header,
+    round_up,
     segment_bytes,
 )
 
@@ -62,7 +63,7 @@ _GEN_OFF = 8  # a slot header's gen, after magic and flags
 
 def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     """A page-aligned, zeroed uint8 buffer (an anonymous mapping), usable with O_DIRECT."""
-    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    size = max(PAGE, round_up(nbytes, PAGE))
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8, count=nbytes)
 
 
@@ -92,7 +93,7 @@ class DiskBlockFile:
         self._hdr = memoryview(mapping)
         self.n = n
         self.block_bytes = block_bytes
-        self.stride = -(-block_bytes // PAGE) * PAGE
+        self.stride = round_up(block_bytes, PAGE)
         self.payload_off = segment_bytes(n, block_bytes, with_payload=False)
         self.fingerprint = fingerprint
         self.faults = faults
@@ -103,7 +104,7 @@ class DiskBlockFile:
     @staticmethod
     def slots_for(capacity_bytes: int, block_bytes: int) -> int:
         """How many blocks a file of at most `capacity_bytes` holds, headers included."""
-        stride = -(-block_bytes // PAGE) * PAGE
+        stride = round_up(block_bytes, PAGE)
         n = max(0, (capacity_bytes - HEADER_OFF) // (stride + SLOT_HDR))
         while n and segment_bytes(n, block_bytes) > capacity_bytes:
             n -= 1
@@ -160,7 +161,7 @@ class DiskBlockFile:
         os.ftruncate(fd, 0)  # another layout or a damaged header: nothing in it is adoptable
         cls._allocate(fd, path, size, reserve_bytes, 0)
         head = bytearray(HEADER_OFF)
-        SEG.pack_into(head, 0, SEG_MAGIC, LAYOUT_VERSION, Kind.DISK, n, block_bytes, -(-block_bytes // PAGE) * PAGE,
+        SEG.pack_into(head, 0, SEG_MAGIC, LAYOUT_VERSION, Kind.DISK, n, block_bytes, round_up(block_bytes, PAGE),
                       segment_bytes(n, block_bytes, with_payload=False), fingerprint, os.getpid(), time.time_ns())
         os.pwrite(fd, head, 0)
         os.fsync(fd)

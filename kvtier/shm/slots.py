@@ -101,13 +101,13 @@ def checksum_parts(parts: Iterable[HashInput]) -> int:
     return h.intdigest()
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
 def segment_bytes(n: int, block_bytes: int, with_payload: bool = True) -> int:
-    payload_off = _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
-    return payload_off + (_round_up(block_bytes, PAGE) * n if with_payload else 0)
+    payload_off = round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+    return payload_off + (round_up(block_bytes, PAGE) * n if with_payload else 0)
 
 
 def parse_segment_header(head: bytes | memoryview, size: int, name: str, kind: int, fingerprint: bytes | None,
@@ -126,8 +126,8 @@ def parse_segment_header(head: bytes | memoryview, size: int, name: str, kind: i
     if block_bytes is not None and bb != block_bytes:
         raise SegmentError(f"segment {name} has block size {bb}, expected {block_bytes}")
     with_payload = kind != Kind.GPU_HEADERS
-    if (n <= 0 or bb <= 0 or stride != _round_up(bb, PAGE)
-            or payload_off != _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+    if (n <= 0 or bb <= 0 or stride != round_up(bb, PAGE)
+            or payload_off != round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
             or size < segment_bytes(n, bb, with_payload)):
         raise SegmentError(f"segment {name} geometry does not match its size")
     return n, bb, stride, payload_off, fp
@@ -151,8 +151,8 @@ class SlotTable:
         with_payload = kind != Kind.GPU_HEADERS
         if seg.size < segment_bytes(n, block_bytes, with_payload):
             raise SegmentError(f"segment {seg.name} too small for {n} slots")
-        stride = _round_up(block_bytes, PAGE)
-        payload_off = _round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
+        stride = round_up(block_bytes, PAGE)
+        payload_off = round_up(HEADER_OFF + SLOT_HDR * n, PAGE)
         if not seg.fresh:  # a new file reads as zeros already (a million slots: 128 MiB to skip)
             seg.buf[HEADER_OFF : HEADER_OFF + SLOT_HDR * n] = bytes(SLOT_HDR * n)
         SEG.pack_into(
