@@ -30,7 +30,7 @@ class Segment:
     segment: str
     capacity: int
     dir: str = ""  # the directory it lives in ("" for the directory segment: /dev/shm)
-    device: str = "cpu"  # a gpu tier: "cpu" (shared memory) or "cuda" (payload shared by CUDA IPC)
+    device: str = "cpu"  # a gpu tier: "cpu" (shared memory) or "cuda" (payload shared by CUDA IPC); "disk"
     ipc: dict[str, Any] | None = None  # the CUDA IPC handle of a "cuda" gpu tier
 
 
@@ -42,6 +42,7 @@ class PoolEntry:
     gpu: Segment | None
     cpu: Segment
     directory: Segment
+    disk: Segment | None = None  # the disk tier's block file (segment: its name in `dir`), where the pool has one
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +106,11 @@ class Descriptor:
 def _pool(p: Any) -> PoolEntry:
     if not isinstance(p, dict):
         raise TypeError("a pool entry is not an object")
-    gpu = p.get("gpu")
+    gpu, disk = p.get("gpu"), p.get("disk")
     return PoolEntry(layout=BlockLayout.from_dict(_dict(p, "layout")), fingerprint=_str(p, "fingerprint"),
                      block_bytes=_int(p, "block_bytes"), gpu=None if gpu is None else _segment(gpu),
-                     cpu=_segment(_dict(p, "cpu")), directory=_segment(_dict(p, "directory")))
+                     cpu=_segment(_dict(p, "cpu")), directory=_segment(_dict(p, "directory")),
+                     disk=None if disk is None else _segment(disk))
 
 
 def _segment(s: Any) -> Segment:

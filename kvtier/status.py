@@ -47,7 +47,7 @@ RATES = ("hits", "stored", "promoted_in", "demoted_in", "evicted", "failed")
 def _rates(pool: dict, prev_pool: dict | None, dt: float) -> str:
     """Per-second rates of the tier counters since the previous snapshot."""
     cells = []
-    for tier in ("gpu", "cpu", "redis"):
+    for tier in [t for t in ("gpu", "cpu", "disk", "redis") if t in pool["tiers"]]:
         now, before = pool["tiers"][tier], (prev_pool or {}).get("tiers", {}).get(tier, {})
         per_s = "/".join(f"{max(0, now.get(c, 0) - before.get(c, 0)) / dt:.0f}" for c in RATES)
         cells.append(f"{tier} {per_s}")
@@ -63,6 +63,20 @@ def _arena(a: dict) -> str:
     return (f"  arena  {state.get(a['state'], 'populated' + took)}  "
             f"{_mib(a['populated_bytes'])}/{_mib(a['bytes'])} MiB  slots in service {a['in_service']}/{a['slots']}  "
             f"{a['backing']}{numa}{huge}")
+
+
+def _disk(d: dict) -> str:
+    """The disk tier's state: on, adopting what its file held, or OFF after an I/O error."""
+    if d["state"] == "off":
+        state = f"OFF since an I/O error ({d['error']}); {d['lost']} blocks dropped with it; a restart retries"
+    elif d["state"] == "adopting":
+        state = f"adopting: {d['scanned']} slots scanned, {d['adopted']} blocks adopted"
+    else:
+        took = "" if d.get("adopt_s") is None else f" in {d['adopt_s']:.1f}s"
+        state = f"on  {d['adopted']} blocks adopted at start{took}"
+    adm = d.get("admission") or {}
+    return (f"  disk   {state}  {'O_DIRECT' if d['direct'] else 'page cache'}  {d['path']}  "
+            f"admission: " + " ".join(f"{k} {v}" for k, v in sorted(adm.items())))
 
 
 def _models(m: dict | None) -> list[str]:
@@ -92,7 +106,7 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
             f"misses {pool['misses']}  redis corrupt {pool['redis_corrupt']}"
         )
         lines.append("  tier   " + " ".join(f"{c:>11}" for c in COLUMNS) + "   MiB used/cap  in ms avg/max")
-        for tier in ("gpu", "cpu", "redis"):
+        for tier in [t for t in ("gpu", "cpu", "disk", "redis") if t in pool["tiers"]]:
             t = pool["tiers"][tier]
             cells = " ".join(f"{'-' if t.get(c) is None else t.get(c):>11}" for c in COLUMNS)
             cap = t.get("capacity_bytes")
@@ -101,6 +115,8 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
         arena = pool.get("arena")
         if arena:
             lines.append(_arena(arena))
+        if pool.get("disk"):
+            lines.append(_disk(pool["disk"]))
         lines.extend(_models(pool.get("models")))
         if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
             lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))

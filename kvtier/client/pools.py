@@ -12,6 +12,7 @@ import torch
 
 from kvtier.core.events import StagedBlock, Tier
 from kvtier.descriptor import Descriptor, PoolEntry
+from kvtier.disk.reader import DiskSlots
 from kvtier.errors import BadRequest, SegmentError
 from kvtier.keys import BlockKey
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
@@ -67,7 +68,7 @@ class ClientPool:
         self._staging_blocks = staging_blocks
         fp, bb = self.fingerprint, self.block_bytes
         self.directory = DirectoryReader(ShmSegment.attach(desc.directory.segment, trusted_uid=daemon_uid), fp)
-        self.tables: dict[Tier, SlotTable] = {}
+        self.tables: dict[Tier, SlotTable | DiskSlots] = {}
         self.gpu_device_payload: torch.Tensor | None = None
         if desc.gpu is not None:
             g = desc.gpu
@@ -86,6 +87,12 @@ class ClientPool:
             raise SegmentError(f"pool {name}: the descriptor's arena directory {cpu_dir} is not absolute")
         self.tables[Tier.CPU] = SlotTable.open(
             ShmSegment.attach(desc.cpu.segment, trusted_uid=daemon_uid, directory=cpu_dir), Kind.ARENA, fp, bb)
+        self.disk_error: str | None = None  # why the disk tier's file could not be opened (its blocks then miss)
+        if desc.disk is not None:
+            try:
+                self.tables[Tier.DISK] = DiskSlots(Path(desc.disk.dir) / desc.disk.segment, fp, bb, daemon_uid)
+            except (OSError, SegmentError) as e:
+                self.disk_error = f"{type(e).__name__}: {e}"
         self.staging: StagingWriter | None = None
         self._users = 0  # calls copying through the mappings right now (see in_use)
         self._closing = False
@@ -100,8 +107,8 @@ class ClientPool:
         row = self.directory.find(key)
         if row is None:
             return None
-        gpu, cpu, _flags = row
-        for tier, slot in ((Tier.GPU, gpu), (Tier.CPU, cpu)):
+        gpu, cpu, _flags, disk = row
+        for tier, slot in ((Tier.GPU, gpu), (Tier.CPU, cpu), (Tier.DISK, disk)):
             table = self.tables.get(tier)
             if slot != NO_SLOT and table is not None and 0 <= slot < table.n:
                 if table.begin_read(slot, key) is not None:
@@ -112,13 +119,13 @@ class ClientPool:
         row = self.directory.find(key)
         return row is not None and bool(row[2] & IN_REDIS)
 
-    def _slots(self, key: bytes) -> Iterator[tuple[Tier, SlotTable, int]]:
+    def _slots(self, key: bytes) -> Iterator[tuple[Tier, SlotTable | DiskSlots, int]]:
         """(tier, table, slot) where the directory lists `key`, best tier first; the slot's own
         header is what a read then verifies."""
         row = self.directory.find(key)
         if row is None:
             return
-        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1])):
+        for tier, slot in ((Tier.GPU, row[0]), (Tier.CPU, row[1]), (Tier.DISK, row[3])):
             table = self.tables.get(tier)
             if slot != NO_SLOT and table is not None and 0 <= slot < table.n:
                 yield tier, table, slot
@@ -128,12 +135,13 @@ class ClientPool:
         flat = dst.view(torch.uint8).reshape(-1)
         if self.gpu_device_payload is not None:
             for tier, table, slot in self._slots(key):
-                if tier == Tier.GPU and self._read_device(self.gpu_device_payload, table, slot, key, flat):
+                if tier == Tier.GPU and isinstance(table, SlotTable) \
+                        and self._read_device(self.gpu_device_payload, table, slot, key, flat):
                     return True
         on_host = flat.device.type == "cpu"
         host = flat.numpy() if on_host else self._pinned().numpy()
 
-        def into_host(table: SlotTable, slot: int, flags: int) -> bool:
+        def into_host(table: SlotTable | DiskSlots, slot: int, flags: int) -> bool:
             if table.read_into(slot, key, host, flags) is None:
                 return False
             if not on_host:
@@ -149,7 +157,7 @@ class ClientPool:
         return self._read_host(key, lambda table, slot, flags: table.read_with(slot, key, copy_out, digest, flags)
                                is not None)
 
-    def _read_host(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
+    def _read_host(self, key: bytes, read: Callable[[SlotTable | DiskSlots, int, int], bool]) -> bool:
         """`read(table, slot, flags)` from the first host-memory copy of `key` that verifies: the
         slots the directory lists, else (read your own writes) the slot this client staged it in
         and the daemon has not placed yet, verified like any other (flags READY). The daemon
@@ -165,7 +173,7 @@ class ClientPool:
             return True
         return self._read_listed(key, read)
 
-    def _read_listed(self, key: bytes, read: Callable[[SlotTable, int, int], bool]) -> bool:
+    def _read_listed(self, key: bytes, read: Callable[[SlotTable | DiskSlots, int, int], bool]) -> bool:
         return any(read(table, slot, Flags.VALID) for tier, table, slot in self._slots(key)
                    if not (tier == Tier.GPU and self.gpu_device_payload is not None))
 

@@ -20,6 +20,7 @@ from kvtier.config.schema import (
     Config,
     ConfigError,
     DaemonConfig,
+    DiskConfig,
     EmbeddedRedisConfig,
     EventsConfig,
     IngestConfig,
@@ -34,7 +35,7 @@ from kvtier.config.schema import (
 
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "ArenaConfig", "BusConfig", "Config", "ConfigError", "DaemonConfig",
-    "EmbeddedRedisConfig",
+    "DiskConfig", "EmbeddedRedisConfig",
     "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig",
     "PrefixIndexConfig", "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",

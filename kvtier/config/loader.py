@@ -56,6 +56,11 @@ def load_config(path: str | os.PathLike[str] | None,
         values[name] = _section(cls, table, (name,), origins, problems, defaults)
     pools = _pools(raw.get("pools"), origins, problems)
     _cross_check(values, origins, problems)
+    if "dir" in values["disk"] and not values["disk"]["dir"]:
+        for p in pools:
+            if p.disk_bytes:
+                problems.append(f"pools.{p.name}.disk_bytes: a disk tier needs [disk] dir, the directory of its "
+                                f"block file{_via(origins, 'pools', p.name, 'disk_bytes')}")
     if problems:
         raise ConfigError(problems)
     sections = {name: cls(**values[name]) for name, cls in SECTIONS.items()}

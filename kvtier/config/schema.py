@@ -20,6 +20,7 @@ from kvtier.config.fields import (
     string,
 )
 from kvtier.errors import KvtierError
+from kvtier.failpoints import IO_SPEC
 from kvtier.failpoints import SPEC as FAILPOINT
 from kvtier.layout import DTYPE_BYTES
 
@@ -186,6 +187,21 @@ class ArenaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """The disk tier: where the pools' block files live (docs/operations.md, "The disk tier")."""
+
+    # The directory of the block files, one per pool with disk_bytes > 0 (<node>.<pool>.blocks).
+    # "" = no disk tier. The daemon's systemd unit must be allowed to write there (ReadWritePaths).
+    dir: str = setting(string(r"(/.*)?", "an absolute path, or empty"), "", text=True)
+    # Free space the block files leave on the filesystem: a file that would leave less is not created.
+    reserve_bytes: int = setting(size(), 1 << 30)
+    # Fault tests only: fail the block files' I/O (kvtier/failpoints.py IoFaults), e.g. "eio:read:3"
+    # fails the third read and every one after it. "" = none.
+    inject_fault: str = setting(string(IO_SPEC.pattern, "eio|enospc|erofs, optionally ':read|write' and ':<n>'"),
+                                "", text=True)
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """The placement policy's knobs, with their checks and defaults (the only ones: the daemon
     builds the core's `PolicyKnobs` from these by name, kvtier/daemon/pools.py `policy_knobs`)."""
@@ -224,6 +240,9 @@ class PoolConfig:
     # many whole blocks of this layout fit.
     gpu_bytes: int = setting(size(), 0)
     cpu_bytes: int = setting(size(), 0)
+    # The disk tier's block file in [disk] dir, headers included: the most it ever takes on the
+    # filesystem, allocated in full at start. 0 = no disk tier for this pool.
+    disk_bytes: int = setting(size(), 0)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -251,6 +270,7 @@ class Config:
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     ingest: IngestConfig = IngestConfig()
     arena: ArenaConfig = ArenaConfig()
+    disk: DiskConfig = DiskConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -266,6 +286,7 @@ SECTIONS: dict[str, type] = {
     "prefix_index": PrefixIndexConfig,
     "ingest": IngestConfig,
     "arena": ArenaConfig,
+    "disk": DiskConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

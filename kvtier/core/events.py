@@ -55,6 +55,7 @@ class Reason(enum.StrEnum):
     DEMOTED = "demoted"  # written back: the lower tier reported it stored
     UNREUSED = "unreused"  # the frequency filter's documented drop (redis_admit_after_hits)
     MAKE_ROOM = "make_room"  # a full tier's worker dropped it for a new block; a lower tier holds it
+    FAULT = "fault"  # the tier's device failed (the disk tier turned off): the block is gone from it
 
 
 class Failure(enum.StrEnum):
@@ -65,6 +66,7 @@ class Failure(enum.StrEnum):
     NO_ROOM = "no_room"  # no free slot and nothing clean to evict
     REDIS = "redis"  # the Redis write failed
     SOURCE_MISS = "source_miss"  # the source tier no longer holds a valid copy
+    DISK = "disk"  # the disk tier failed the write (EIO, ENOSPC, EROFS), or is off
 
 
 @dataclass(frozen=True, slots=True)

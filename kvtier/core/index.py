@@ -184,6 +184,20 @@ class TierIndex:
         self.capacity += len(new)
         return len(new)
 
+    def retire(self) -> list[Entry]:
+        """Take the whole tier out of service for good (its device failed): every entry is
+        forgotten and returned, and no slot is handed out again, nor brought back into service."""
+        gone = list(self._entries.values())
+        self._entries.clear()
+        self._lru.clear()
+        self._kids.clear()
+        self._free.clear()
+        self._early.clear()
+        self._serving = bytearray()
+        self.slots = self.capacity = 0
+        self.leaving = 0
+        return gone
+
     def touch(self, key: BlockKey) -> Entry | None:
         e = self._entries.get(key)
         if e is not None and e.state is State.READY:

@@ -84,6 +84,16 @@ class Residency:
         if all(self.tiers[u].get(key) is None for u in NODE):
             self.tiers[Tier.REDIS].remove(key)
 
+    def retired(self, t: Tier) -> list[Entry]:
+        """Node tier `t` failed (a disk that hit EIO, ENOSPC or a read-only remount): it holds
+        nothing from now on and takes nothing, so the tiers above shed past it. Its blocks are
+        returned; the Redis record of those no other node tier holds is forgotten, as `dropped`."""
+        gone = self.tiers[t].retire()
+        for e in gone:
+            if all(self.tiers[u].get(e.key) is None for u in NODE):
+                self.tiers[Tier.REDIS].remove(e.key)
+        return gone
+
     def in_redis(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Redis holds `key` now (written there, or read back from there). Remembered, and True,
         only while a copy on the node exists: eviction consults this record, and `dropped` ends it."""

@@ -1,7 +1,7 @@
 """The cluster prefix index: who holds which block, and the router's answer. Pure: no I/O.
 
 Each block a node holds locally has one Redis hash, `kvtier:where:<pool>:<key hex>`, whose
-fields are `<node>|<tier>` (value "1"), tier `gpu` or `cpu`, or `engine` for a block an engine on
+fields are `<node>|<tier>` (value "1"), tier `gpu`, `cpu` or `disk`, or `engine` for a block an engine on
 that node holds in its own GPU cache (`<node>/<engine>|engine`, from its KV events). Whether Redis holds the block is
 not indexed: the reader asks Redis itself (EXISTS on the block's key), which is never stale,
 and a Redis copy serves every node, so it is reported once, not per node.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
 
-TIER_RANK = {"engine": 0, "gpu": 1, "cpu": 2}  # best first; engine: an engine's own GPU cache (ingested)
+TIER_RANK = {"engine": 0, "gpu": 1, "cpu": 2, "disk": 3}  # best first; engine: an engine's own GPU cache (ingested)
 SEP = "|"
 
 

@@ -30,6 +30,7 @@ from kvtier.config import Config, redact_url
 from kvtier.core.events import Tier
 from kvtier.daemon.chores import Chores, bounded
 from kvtier.daemon.coordinator import Coordinator
+from kvtier.daemon.disk_adoption import DiskAdoption
 from kvtier.daemon.embedded_redis import EmbeddedRedis
 from kvtier.daemon.engine_ingest import EngineIngest, parse_engines
 from kvtier.daemon.kv_event_publisher import KvEventPublisher, RouterEvents
@@ -124,7 +125,7 @@ class Daemon:
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
                 rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log,
-                                                    cfg.arena)
+                                                    cfg.arena, cfg.disk)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
             if cfg.events.enabled:  # before the consumers: no fact may go unannounced
                 kv = KvEventPublisher(cfg.events, self.log)
@@ -243,10 +244,10 @@ class Daemon:
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
-            if t == Tier.DISK:
-                continue  # no pool has a disk tier yet (issue 30: its worker is not built), so no command goes there
+            if t == Tier.DISK and all(rt.disk is None for rt in self.pools.values()):
+                continue  # no pool has a disk tier, so no command goes there
             worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
-                                off_loop_bytes=cfg.daemon.off_loop_copy_bytes,
+                                off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
                                 copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
                                 flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections,
                                 failpoints=self.failpoints)
@@ -267,8 +268,11 @@ class Daemon:
         threads = self.cfg.arena.populate_threads or default_populate_threads()
         for name, rt in self.pools.items():
             if rt.arena is not None and rt.arena.chunks:  # the rest of a big arena, after READY
-                pop = self.populations[name] = ArenaPopulation(rt, threads, self.log, self._restored)
+                pop = self.populations[name] = ArenaPopulation(
+                    rt, threads, self.log, lambda pool, entries: self._restored(pool, Tier.CPU, entries))
                 chores.start(f"arena-{name}", pop.run())
+            if rt.disk is not None and rt.disk.adopting:  # what the block file held, after READY
+                chores.start(f"disk-{name}", DiskAdoption(rt, self.log, self._restored).run())
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
         self.manifests = ManifestReader(bus, self.pools, self.cfg.daemon.manifest_interval_s, self.log)
         chores.start("manifest", self.manifests.run())
@@ -290,13 +294,13 @@ class Daemon:
             interval = self.notifier.watchdog_s * self.cfg.daemon.watchdog_fraction
             chores.every("watchdog", interval, lambda: self.notifier.notify("WATCHDOG=1"))
 
-    def _restored(self, pool: str, entries: list[Any]) -> None:
-        """A warm arena's blocks, restored as the population reaches them: announced as the
-        blocks kept at the start were."""
+    def _restored(self, pool: str, tier: Tier, entries: list[Any]) -> None:
+        """Blocks a warm arena or a disk tier's file kept, restored as the population or the
+        adoption reaches them: announced as the blocks kept at the start were."""
         if self.router_events is not None:
-            self.router_events.announce(pool, Tier.CPU, entries)
+            self.router_events.announce(pool, tier, entries)
         if self.prefix_index is not None:
-            self.prefix_index.add_blocks(pool, Tier.CPU.label, [e.key for e in entries])
+            self.prefix_index.add_blocks(pool, tier.label, [e.key for e in entries])
 
     def _descriptor(self, url: str, bus_url: str, gid: int | None) -> Descriptor:
         return Descriptor(

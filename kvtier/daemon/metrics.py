@@ -20,6 +20,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
   kvtier_arena_bytes, kvtier_arena_populated_bytes, kvtier_arena_populate_failed, kvtier_arena_page_bytes,
   kvtier_ready_seconds
+  kvtier_disk_up, kvtier_disk_lost_blocks, kvtier_disk_adopted_blocks, kvtier_disk_scanned_slots,
+  kvtier_disk_admissions_total (the disk tier: kvtier/tiers/disk.py; its blocks are in kvtier_tier_* tier="disk")
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class DaemonCollector(Collector):
                 hist.add_metric(labels, buckets, t.get("transfer_s", 0.0))
         yield from gauges.values()
         yield from _arena_gauges(s)
+        yield from _disk_metrics(s)
         yield from tier_c.values()
         yield hist
         yield from pool_c.values()
@@ -149,6 +152,30 @@ def _arena_gauges(s: dict[str, Any]) -> list[GaugeMetricFamily]:
     if s.get("ready_s") is not None:
         ready.add_metric([], s["ready_s"])
     return [*out.values(), ready]
+
+
+def _disk_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    """The disk tiers: whether each is on (an I/O error turns it off), and its adoption after a start."""
+    out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in (
+            ("kvtier_disk_up", "1 while the disk tier serves; 0 once an I/O error (EIO, ENOSPC, EROFS) turned it off"),
+            ("kvtier_disk_lost_blocks", "Blocks the disk tier held when it was turned off"),
+            ("kvtier_disk_adopted_blocks", "Blocks adopted again from the block file after the start"),
+            ("kvtier_disk_scanned_slots", "Slots of the block file whose headers were scanned since the start"),
+        )}
+    admissions = CounterMetricFamily("kvtier_disk_admissions", "Blocks the cpu tier shed, by the disk admission's "
+                                     "verdict (admitted or not, and why)", labels=["pool", "reason"])
+    for pool, p in sorted(s.get("pools", {}).items()):
+        d = p.get("disk")
+        if not d:
+            continue
+        out["kvtier_disk_up"].add_metric([pool], 0 if d["state"] == "off" else 1)
+        out["kvtier_disk_lost_blocks"].add_metric([pool], d["lost"])
+        out["kvtier_disk_adopted_blocks"].add_metric([pool], d["adopted"])
+        out["kvtier_disk_scanned_slots"].add_metric([pool], d["scanned"])
+        for reason, n in sorted(d["admission"].items()):
+            admissions.add_metric([pool, reason], n)
+    return [*out.values(), admissions]
 
 
 class MetricsServer:

@@ -5,20 +5,25 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, get_type_hints
 
-from kvtier.config import ArenaConfig, PolicyConfig, PoolConfig, RedisConfig
+from kvtier.config import ArenaConfig, DiskConfig, PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.policy import Placement
 from kvtier.daemon.arena import open_cpu_arena
+from kvtier.disk.blockfile import DiskBlockFile
+from kvtier.errors import DiskFault, KvtierError, SegmentError
+from kvtier.failpoints import IoFaults
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import DirectoryWriter, directory_bytes, directory_capacity
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable, segment_bytes
 from kvtier.store.redis_blocks import RedisBlocks
 from kvtier.tiers.arena_fill import ArenaFill, plan_chunks
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.stats import PoolCounters
@@ -59,26 +64,62 @@ def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
 
 
 def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
-              gid: int | None, log, arena: ArenaConfig | None = None) -> PoolRuntime:
+              gid: int | None, log, arena: ArenaConfig | None = None, disk: DiskConfig | None = None) -> PoolRuntime:
     """Open the pool's tiers. The cpu arena is in service for its first chunk only: the rest
     comes as kvtier/daemon/population.py populates it (`rt.arena`); an arena within one chunk
-    is fully in service on return."""
+    is fully in service on return. A disk tier whose file was adopted has no slot in service
+    until kvtier/daemon/disk_adoption.py scans it (`rt.disk.adopting`)."""
     created: list[ShmSegment] = []  # unlinked again if the pool cannot open completely
+    files: list[DiskBlockFile] = []  # closed (never deleted) likewise
     try:
-        return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created, arena or ArenaConfig())
+        return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created, arena or ArenaConfig(),
+                          disk or DiskConfig(), files)
     except BaseException:
         for seg in created:
             seg.close()
             seg.unlink()
+        for f in files:
+            f.close()
         raise
 
 
+def open_disk_file(cfg: PoolConfig, node: str, layout: BlockLayout, disk: DiskConfig, gid: int | None,
+                   log) -> tuple[DiskBlockFile, bool]:
+    """The pool's block file in [disk] dir, adopted or made; a start error that names the settings."""
+    path = Path(disk.dir) / f"{node}.{cfg.name}.blocks"
+    n = DiskBlockFile.slots_for(cfg.disk_bytes, layout.block_bytes)
+    if n <= 0:
+        raise KvtierError(f"pools.{cfg.name}.disk_bytes = {cfg.disk_bytes} holds no block of {layout.block_bytes} "
+                          f"bytes with its header")
+    try:
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o700 if gid is None else 0o750)
+            if gid is not None:  # clients of the shm group read the block file themselves
+                os.chown(path.parent, -1, gid)
+        if disk.inject_fault:
+            log.warning("disk.fault_armed", inject_fault=disk.inject_fault)
+        f, adopted = DiskBlockFile.open_or_create(path, n, layout.block_bytes, layout.fingerprint,
+                                                  reserve_bytes=disk.reserve_bytes, faults=IoFaults(disk.inject_fault))
+    except (DiskFault, SegmentError, OSError) as e:
+        raise KvtierError(f"[disk] dir = {disk.dir!r}, pools.{cfg.name}.disk_bytes = {cfg.disk_bytes}: "
+                          f"cannot open the disk tier's block file: {e}") from None
+    if gid is not None:
+        f.share_with_group(gid)
+    log.info("disk.opened", path=str(path), blocks=n, bytes=os.path.getsize(path), direct=f.direct, adopted=adopted)
+    return f, adopted
+
+
 def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
-               gid: int | None, log, created: list[ShmSegment], arena_cfg: ArenaConfig) -> PoolRuntime:
+               gid: int | None, log, created: list[ShmSegment], arena_cfg: ArenaConfig, disk_cfg: DiskConfig,
+               files: list[DiskBlockFile]) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
-    dir_cap = directory_capacity(cfg.gpu_blocks + cfg.cpu_blocks)
+    disk_file, adopted = None, False
+    if cfg.disk_bytes:
+        disk_file, adopted = open_disk_file(cfg, node, layout, disk_cfg, gid, log)
+        files.append(disk_file)
+    dir_cap = directory_capacity(cfg.gpu_blocks + cfg.cpu_blocks + (disk_file.n if disk_file is not None else 0))
     dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
     created.append(dir_seg)
     directory = DirectoryWriter.create(dir_seg, dir_cap, layout.fingerprint)
@@ -89,6 +130,10 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     # No cpu slot is in service before its chunk's pages are populated (and, warm, scanned).
     indices = {Tier.GPU: TierIndex(cfg.gpu_blocks), Tier.CPU: TierIndex(cfg.cpu_blocks, in_service=()),
                Tier.REDIS: TierIndex(None)}
+    disk_tier = None
+    if disk_file is not None:  # an adopted file's slots come into service as their headers are scanned
+        indices[Tier.DISK] = TierIndex(disk_file.n, in_service=() if adopted else None)
+        disk_tier = DiskTier(disk_file, indices[Tier.DISK], directory, adopted)
 
     gpu_tier = None
     gpu_ipc = None
@@ -142,6 +187,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         counters=PoolCounters(),
         gpu_ipc=gpu_ipc,
         arena=fill,
+        disk=disk_tier,
     )
 
 
@@ -157,3 +203,9 @@ def close_pool(rt: PoolRuntime, persist_arena: bool) -> None:
             t.table.seg.unlink()
     rt.directory.seg.close()
     rt.directory.seg.unlink()
+    if rt.disk is not None:  # kept: the next start adopts what it holds
+        try:
+            rt.disk.file.sync()
+        except DiskFault:
+            pass  # the tier was off, or the device failed now: adoption verifies every block anyway
+        rt.disk.file.close()

@@ -72,7 +72,7 @@ class PrefixIndexWriter:
     def refresh(self) -> None:
         """Re-write every block a local tier holds: renews the TTLs, repairs lost updates."""
         for name, rt in self.pools.items():
-            for tier in (Tier.GPU, Tier.CPU):
+            for tier in (Tier.GPU, Tier.CPU, Tier.DISK):
                 index = rt.placement.tiers.get(tier)
                 if index is None:
                     continue

@@ -12,8 +12,8 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
     tiers = {}
     for t in Tier:
         idx = rt.placement.tiers[t]
-        if t == Tier.DISK and not idx.capacity:
-            continue  # the pool has no disk tier
+        if t == Tier.DISK and rt.disk is None:
+            continue  # the pool has no disk tier (one turned off stays listed, at capacity 0)
         c = rt.counters.tiers[t.label]
         # Redis: blocks this daemon wrote and has not deleted (TTL expiry and other nodes'
         # writes are not seen); local tiers: blocks resident now.
@@ -43,4 +43,5 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
         "arena": rt.arena.stats() if rt.arena is not None else None,
+        "disk": None if rt.disk is None else {**rt.disk.stats(), "admission": rt.placement.disk_admissions.snapshot()},
     }

@@ -180,6 +180,11 @@ class DiskBlockFile:
         except OSError as e:
             raise SegmentError(f"disk tier: cannot allocate {size >> 20} MiB in {path}: {e.strerror}") from e
 
+    def share_with_group(self, gid: int) -> None:
+        """Clients in group `gid` (the shm group) may read the file: they read blocks themselves."""
+        os.fchown(self._fd, -1, gid)
+        os.fchmod(self._fd, 0o640)
+
     def headers(self, lo: int, hi: int) -> npt.NDArray[Any]:
         """Slots [lo, hi)'s headers as HEADER_DTYPE records over the mapping (no copy)."""
         if not 0 <= lo <= hi <= self.n:
@@ -316,7 +321,7 @@ def _open_payload(path: Path) -> tuple[int, bool]:
             pass
         else:
             try:
-                os.preadv(fd, [aligned_empty(PAGE)], 0)
+                os.preadv(fd, [aligned_empty(PAGE).data], 0)
                 return fd, True
             except OSError:
                 os.close(fd)

@@ -1,4 +1,4 @@
-"""The shared-memory directory: block key -> (gpu slot, cpu slot), for lookups without a round trip.
+"""The shared-memory directory: block key -> (gpu, cpu, disk slot), for lookups without a round trip.
 
 An open-addressing table with linear probing in its own segment. The daemon is the only writer
 and keeps a private dict of where each key sits, so updates are O(1). Clients only read. An entry
@@ -16,11 +16,13 @@ from kvtier.shm.segment import ShmSegment
 
 DIR_MAGIC = b"KVTDIR01"
 _HEAD = struct.Struct("<8sQ32s")
-_ENTRY = struct.Struct("<Iii I32s16x".replace(" ", ""))
+# used, gpu slot, cpu slot, flags, key, disk slot (in what were 16 pad bytes: the entry size is unchanged)
+_ENTRY = struct.Struct("<IiiI32si12x")
 ENTRY_OFF = 4096
 ENTRY_BYTES = _ENTRY.size
 NO_SLOT = -1
 IN_REDIS = 1  # flags bit: the daemon wrote this block to Redis
+_COLUMN = (0, 1, 3)  # a tier's index (gpu 0, cpu 1, disk 2) -> its place in a row [gpu, cpu, flags, disk]
 
 
 def directory_capacity(blocks: int) -> int:
@@ -52,16 +54,16 @@ class DirectoryReader:
         self.capacity = cap
         self._mask = cap - 1
 
-    def find(self, key: bytes) -> tuple[int, int, int] | None:
-        """(gpu_slot, cpu_slot, flags) for `key`, or None."""
+    def find(self, key: bytes) -> tuple[int, int, int, int] | None:
+        """(gpu_slot, cpu_slot, flags, disk_slot) for `key`, or None."""
         buf, mask, unpack = self.seg.buf, self._mask, _ENTRY.unpack_from
         i = _home(key, mask)
         for _ in range(self.capacity):
-            used, gpu, cpu, flags, k = unpack(buf, ENTRY_OFF + i * ENTRY_BYTES)
+            used, gpu, cpu, flags, k, disk = unpack(buf, ENTRY_OFF + i * ENTRY_BYTES)
             if not used:
                 return None
             if k == key:
-                return gpu, cpu, flags
+                return gpu, cpu, flags, disk
             i = (i + 1) & mask
         return None
 
@@ -72,7 +74,7 @@ class DirectoryWriter(DirectoryReader):
     def __init__(self, seg: ShmSegment) -> None:
         super().__init__(seg)
         self._where: dict[bytes, int] = {}
-        self._rows: dict[bytes, list[int]] = {}  # key -> [gpu, cpu, flags]
+        self._rows: dict[bytes, list[int]] = {}  # key -> [gpu, cpu, flags, disk]
 
     @classmethod
     def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> DirectoryWriter:
@@ -84,23 +86,24 @@ class DirectoryWriter(DirectoryReader):
     def __len__(self) -> int:
         return len(self._where)
 
-    def get(self, key: bytes) -> tuple[int, int, int] | None:
+    def get(self, key: bytes) -> tuple[int, int, int, int] | None:
         row = self._rows.get(key)
-        return None if row is None else (row[0], row[1], row[2])
+        return None if row is None else (row[0], row[1], row[2], row[3])
 
     def set_slot(self, key: bytes, tier_index: int, slot: int) -> None:
-        """tier_index 0 = gpu, 1 = cpu."""
+        """tier_index 0 = gpu, 1 = cpu, 2 = disk (kvtier.core.events.Tier)."""
+        col = _COLUMN[tier_index]
         row = self._rows.get(key)
         if row is None:
             if slot == NO_SLOT:
                 return
             if len(self._where) >= self.capacity - 1:
                 raise SegmentError("directory is full")  # cannot happen: capacity >= 2 x slots
-            row = [NO_SLOT, NO_SLOT, 0]
-            row[tier_index] = slot
+            row = [NO_SLOT, NO_SLOT, 0, NO_SLOT]
+            row[col] = slot
             self._insert(key, row)
             return
-        row[tier_index] = slot
+        row[col] = slot
         self._store(key, row)
 
     def set_flag(self, key: bytes, flag: int, on: bool) -> None:
@@ -119,13 +122,13 @@ class DirectoryWriter(DirectoryReader):
         self._write(i, key, row)
 
     def _store(self, key: bytes, row: list[int]) -> None:
-        if row[0] == NO_SLOT and row[1] == NO_SLOT:
+        if row[0] == NO_SLOT and row[1] == NO_SLOT and row[3] == NO_SLOT:
             self._delete(key)
         else:
             self._write(self._where[key], key, row)
 
     def _write(self, i: int, key: bytes, row: list[int]) -> None:
-        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key)
+        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key, row[3])
 
     def _delete(self, key: bytes) -> None:
         i = self._where.pop(key)
@@ -134,7 +137,7 @@ class DirectoryWriter(DirectoryReader):
         j = i
         while True:
             j = (j + 1) & mask
-            used, *_rest, kj = _ENTRY.unpack_from(self.seg.buf, ENTRY_OFF + j * ENTRY_BYTES)
+            used, _gpu, _cpu, _flags, kj, _disk = _ENTRY.unpack_from(self.seg.buf, ENTRY_OFF + j * ENTRY_BYTES)
             if not used:
                 break
             h = _home(kj, mask)
@@ -145,4 +148,4 @@ class DirectoryWriter(DirectoryReader):
             self._write(i, kj, self._rows[kj])
             self._where[kj] = i
             i = j
-        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 0, NO_SLOT, NO_SLOT, 0, bytes(32))
+        _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 0, NO_SLOT, NO_SLOT, 0, bytes(32), NO_SLOT)

@@ -15,8 +15,7 @@ from kvtier.core.eviction import REFUSED, ROOM_TRIES, Verdict, after_redis_check
 from kvtier.core.outcomes import Fact, asked_redis, evicted, kept
 from kvtier.keys import BlockKey
 from kvtier.tiers.facts import Facts
-from kvtier.tiers.local import LocalTier
-from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.pool import PoolRuntime, SlotTier
 
 
 class Evictions:
@@ -52,7 +51,7 @@ class Evictions:
                 self.log.warning("tier.evict_refused", pool=rt.name, key=ev.key.hex()[:16], reason=ev.reason.value)
         return self.facts.settle(rt, kept(verdict))
 
-    async def make_room(self, rt: PoolRuntime, dst: LocalTier) -> Fact | None:
+    async def make_room(self, rt: PoolRuntime, dst: SlotTier) -> Fact | None:
         """Full: drop one block the next tier holds, as `room_victim` picks it (confirmed with
         Redis for the cpu tier). Nothing is lost. The eviction's fact, or None when no such
         block exists."""

@@ -13,8 +13,11 @@ from kvtier.layout import BlockLayout
 from kvtier.shm.directory import IN_REDIS, DirectoryWriter
 from kvtier.store.redis_blocks import RedisBlocks
 from kvtier.tiers.arena_fill import ArenaFill
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.stats import PoolCounters
+
+SlotTier = LocalTier | DiskTier  # a tier of slots on this node: the memory tiers, or the disk tier
 
 
 @dataclass(slots=True)
@@ -29,30 +32,45 @@ class PoolRuntime:
     counters: PoolCounters
     gpu_ipc: dict[str, object] | None = None
     arena: ArenaFill | None = None  # the cpu arena's population (kvtier/daemon/population.py)
+    disk: DiskTier | None = None  # the disk tier, where the pool has one
 
     @property
     def local_blocks(self) -> int:
-        return self.cpu.capacity + (self.gpu.capacity if self.gpu is not None else 0)
+        """Blocks the node's tiers of this pool hold at most."""
+        return (self.cpu.capacity + (self.gpu.capacity if self.gpu is not None else 0)
+                + (self.disk.capacity if self.disk is not None else 0))
 
-    def local(self, tier: Tier) -> LocalTier | None:
-        return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else None
+    def local(self, tier: Tier) -> SlotTier | None:
+        """The slot tier on this node: gpu, cpu or disk (None: Redis, or a tier the pool lacks)."""
+        return {Tier.GPU: self.gpu, Tier.CPU: self.cpu, Tier.DISK: self.disk}.get(tier)
+
+    def retire_disk(self) -> list[Entry]:
+        """The disk tier met an I/O error (its `fault`): it holds nothing and takes nothing from
+        now on. The blocks it held, which the caller reports removed."""
+        assert self.disk is not None and self.disk.fault is not None
+        gone = self.placement.retired(Tier.DISK)
+        self.disk.retire(gone)
+        for e in gone:
+            if not any(self.placement.tiers[t].get(e.key) is not None for t in (Tier.GPU, Tier.CPU)):
+                self.directory.set_flag(e.key, IN_REDIS, False)  # unlisted with its last slot anyway
+        return gone
 
     # What a tier worker did, told to both the Placement (which owns the indices) and the client
     # directory. A local write or drop changes the slot (LocalTier) and the index in this order,
     # so a reader never finds a listed block its slot lacks.
 
-    def finish(self, dst: LocalTier, e: Entry) -> Entry:
+    def finish(self, dst: SlotTier, e: Entry) -> Entry:
         """The reserved slot `e` of `dst` is filled: visible in the index, then to clients."""
         self.placement.commit(dst.tier, e.key)
         dst.publish(e)
         return e
 
-    def abort(self, dst: LocalTier, e: Entry) -> None:
+    def abort(self, dst: SlotTier, e: Entry) -> None:
         """Filling the reserved slot failed (or was cancelled): empty it, then free it."""
         dst.discard(e)
         self.placement.unreserve(dst.tier, e.key)
 
-    def drop(self, dst: LocalTier, key: BlockKey) -> None:
+    def drop(self, dst: SlotTier, key: BlockKey) -> None:
         """Drop `key` from `dst`: readers miss it first, then its slot is freed."""
         e = dst.index.get(key)
         if e is not None:
@@ -79,5 +97,9 @@ class PoolRuntime:
         if self.gpu is not None:
             g = part(self.gpu)
             gpu = Segment(g.segment, g.capacity, g.dir, "cpu" if self.gpu_ipc is None else "cuda", self.gpu_ipc)
+        disk = None
+        if self.disk is not None:  # a block file: clients read it themselves (kvtier/disk/reader.py)
+            f = self.disk.file
+            disk = Segment(f.path.name, f.n, str(f.path.parent), "disk")
         return PoolEntry(self.layout, self.layout.fingerprint.hex(), self.layout.block_bytes, gpu, part(self.cpu),
-                         Segment(self.directory.seg.name, self.directory.capacity))
+                         Segment(self.directory.seg.name, self.directory.capacity), disk)

@@ -15,6 +15,7 @@ owns them.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -24,17 +25,17 @@ from structlog.typing import FilteringBoundLogger
 
 from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.core.events import Copy, Demote, Event, Evict, Failure, Promote, Store, Tier
+from kvtier.core.events import Copy, Demote, Event, Evict, Failure, Promote, Reason, Store, Tier
 from kvtier.core.fence import CommandFence
-from kvtier.core.outcomes import failed, held, read, sent, written
-from kvtier.errors import MalformedEvent, SegmentError
+from kvtier.core.outcomes import evicted, failed, held, read, sent, written
+from kvtier.errors import DiskFault, MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
 from kvtier.shm.staging import StagingSegments
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.evicting import Evictions
 from kvtier.tiers.facts import Fact, Facts, Received
-from kvtier.tiers.local import LocalTier
-from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.pool import PoolRuntime, SlotTier
 from kvtier.tiers.redis_batch import Got, QueuedGet, QueuedSet, RedisBatch
 from kvtier.tiers.staged import CHANGED, NO_ROOM, StagedStores
 from kvtier.tiers.writes import LocalWrites
@@ -114,6 +115,8 @@ class TierWorker:
         else:
             fact = await self._transfer(rt, ev, t0)
         self.facts.report(rt, fact, t0)
+        if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:
+            self._retire_disk(rt, rt.disk)
         if self._staged.nbytes + self._redis.nbytes >= self.flush_bytes:
             await self._drain()
         self.applied.handled(d.envelope)
@@ -153,6 +156,22 @@ class TierWorker:
         for r, value in got:
             self.facts.report(r.rt, await self._promoted(r.rt, r.ev, value, r.t0), r.t0)
 
+    def _retire_disk(self, rt: PoolRuntime, disk: DiskTier) -> None:
+        """The disk tier met an I/O error (in this worker or another): turn it off, with one log
+        line; its blocks are reported removed, and the other tiers keep serving."""
+        fault = disk.fault
+        assert fault is not None
+        gone = rt.retire_disk()
+        for e in gone:
+            fact = evicted(rt.name, e.key, Tier.DISK, Reason.FAULT).fact
+            assert fact is not None
+            self.facts.add(fact)
+        rt.counters.tiers[Tier.DISK.label].evicted += len(gone)
+        self.log.error("disk.tier_off", pool=rt.name, path=str(disk.file.path), op=fault.op,
+                       errno=errno.errorcode.get(fault.errno or 0, str(fault.errno)), error=str(fault),
+                       blocks=len(gone),
+                       note="the pool serves from its other tiers; a restart of the daemon tries the disk again")
+
     # --- store: client staging -> this tier ---------------------------------------------------
 
     async def _store(self, rt: PoolRuntime, ev: Store, t0: float) -> Fact | None:
@@ -169,6 +188,8 @@ class TierWorker:
         if (here := held(rt.placement, ev, self.tier)) is not None:  # a duplicate, or another client put it first
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return self.facts.settle(rt, here, ev)
+        if isinstance(dst, DiskTier):
+            raise MalformedEvent("a store into the disk tier: puts land in the memory tiers")
         if dst is not None and dst.device_payload is None:
             return await self._staged.queue(rt, dst, ev, staging, t0)
         # The redis worker (a put with no local room, written through) reads straight into the
@@ -192,6 +213,8 @@ class TierWorker:
             raise MalformedEvent(f"pool {rt.name} has no {self.tier.label} tier")
         if (here := held(rt.placement, ev, self.tier)) is not None:
             return self.facts.settle(rt, here, ev)
+        if isinstance(dst, DiskTier) and dst.fault is not None:
+            return self.facts.settle(rt, failed(ev, self.tier, Failure.DISK), ev, "the disk tier is off")
         if ev.src == Tier.REDIS:
             if self.tier == Tier.REDIS:
                 raise MalformedEvent(f"{ev.TYPE} from redis to redis")
@@ -219,7 +242,7 @@ class TierWorker:
 
     # --- into this tier -------------------------------------------------------------------------
 
-    async def _put(self, rt: PoolRuntime, ev: Received, dst: LocalTier | None, value: memoryview | None,
+    async def _put(self, rt: PoolRuntime, ev: Received, dst: SlotTier | None, value: memoryview | None,
                    buf: np.ndarray, csum: int, t0: float) -> Fact | None:
         """The verified block in `buf` into this tier: a SET queued for the batch's pipeline
         (`value` wraps `buf`), or a local write now."""
@@ -227,7 +250,10 @@ class TierWorker:
             self._redis.set(QueuedSet(rt, ev, rt.redis.seal(value, ev.key, csum), t0))
             return None
         assert dst is not None  # a local tier's worker, checked on receipt
-        entry = await self.writes.write(rt, dst, ev.key, ev.parent, buf, csum)
+        try:
+            entry = await self.writes.write(rt, dst, ev.key, ev.parent, buf, csum)
+        except DiskFault as e:  # the disk tier is off from now on (retired after this command)
+            return self.facts.settle(rt, failed(ev, self.tier, Failure.DISK), ev, f"{e.op}: {e}")
         return self.facts.settle(rt, written(ev, self.tier, entry), ev, NO_ROOM)
 
 

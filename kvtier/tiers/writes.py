@@ -20,7 +20,7 @@ from kvtier.offload import run_off_loop
 from kvtier.tiers.evicting import Evictions
 from kvtier.tiers.facts import Facts
 from kvtier.tiers.local import LocalTier
-from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.pool import PoolRuntime, SlotTier
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class LocalWrites:
         self.failpoints = failpoints
         self.off_loop_bytes = off_loop_bytes
 
-    async def write(self, rt: PoolRuntime, dst: LocalTier, key: BlockKey, parent: BlockKey | None,
+    async def write(self, rt: PoolRuntime, dst: SlotTier, key: BlockKey, parent: BlockKey | None,
                     data: np.ndarray, csum: int) -> Entry | None:
         """Store a verified block and make it visible; the entry already there if there is one.
         None when the tier has no room, even after making some."""
@@ -52,7 +52,7 @@ class LocalWrites:
         self.failpoints.reached("shm_written")
         return rt.finish(dst, e)
 
-    async def reserve(self, rt: PoolRuntime, dst: LocalTier, key: BlockKey, parent: BlockKey | None) -> Entry | None:
+    async def reserve(self, rt: PoolRuntime, dst: SlotTier, key: BlockKey, parent: BlockKey | None) -> Entry | None:
         """A PENDING slot for `key`, making room once if the tier is full; None when there is none."""
         e = rt.placement.reserve(dst.tier, key, parent)
         if e is None and (dropped := await self.evictions.make_room(rt, dst)) is not None:
@@ -60,9 +60,10 @@ class LocalWrites:
             e = rt.placement.reserve(dst.tier, key, parent)
         return e
 
-    def maybe_tear(self, dst: LocalTier, e: Entry) -> None:
+    def maybe_tear(self, dst: SlotTier, e: Entry) -> None:
         """The `shm_torn` failpoint: die halfway through a cpu-arena write, the slot left odd."""
-        if self.tier == Tier.CPU and dst.device_payload is None and self.failpoints.due("shm_torn"):
+        if self.tier == Tier.CPU and isinstance(dst, LocalTier) and dst.device_payload is None \
+                and self.failpoints.due("shm_torn"):
             dst.table.begin_write(e.slot)
             dst.table.payload(e.slot)[: dst.block_bytes // 2] = 0xA5
             self.failpoints.die()

@@ -26,9 +26,11 @@ cpu_blocks = {cpu}
 def write_config(directory: Path, *, node: str, redis_url: str, gpu: int = 8, cpu: int = 16,
                  pool: str = "t", persist_arena: bool = False, extra: str = "",
                  pools_toml: str | None = None, bus_url: str | None = None, redis_extra: str = "",
-                 runtime_dir: Path | None = None, log_level: str = "info") -> Path:
+                 runtime_dir: Path | None = None, log_level: str = "info", disk_dir: Path | None = None,
+                 disk_bytes: int = 0, disk_extra: str = "") -> Path:
     """A daemon config for tests: small blocks (8 KiB), fast bus timings. `pools_toml` replaces
-    the default test pool with the caller's [pools.*] tables (engine tests size their own)."""
+    the default test pool with the caller's [pools.*] tables (engine tests size their own).
+    `disk_dir` and `disk_bytes` give the default test pool a disk tier there, with no reserve."""
     path = directory / f"{node}.toml"
     path.write_text(f"""
 [node]
@@ -61,7 +63,9 @@ off_loop_copy_bytes = 0  # every copy off the event loop: the thread path is the
 [metrics]
 listen = "127.0.0.1:0"  # a free port: test daemons run side by side
 stream_sample_s = 0.2
-""" + (pools_toml if pools_toml is not None else POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu)))
+""" + (f'\n[disk]\ndir = "{disk_dir}"\nreserve_bytes = 0\n{disk_extra}\n' if disk_dir else "")
+        + (pools_toml if pools_toml is not None else POOL_TOML.format(name=pool, gpu=gpu, cpu=cpu))
+        + (f"disk_bytes = {disk_bytes}\n" if disk_bytes else ""))
     return path
 
 

@@ -197,7 +197,8 @@ def test_missing_and_extra_body_fields_are_named() -> None:
     (EVENTS[8], "reason", "no_room", "evict.reason: expected one of"),  # a Failure is no evict reason
     (EVENTS[9], "cause", "demote_failed", "stored.cause: expected one of store, promote, demote, copy, evict"),
     (EVENTS[9], "cause", 2, "stored.cause: expected one of"),
-    (EVENTS[10], "why", "evict:clean", "removed.why: expected one of clean, demoted, unreused, make_room, bad_staging"),
+    (EVENTS[10], "why", "evict:clean",
+     "removed.why: expected one of clean, demoted, unreused, make_room, fault, bad_staging"),
     (EVENTS[10], "why", {"a": 1}, "removed.why: expected one of"),
     (EVENTS[10], "why", None, "removed.why: expected one of"),
     (EVENTS[2], "blocks", [[K1, None, 0]], "put.blocks[0]: staged block must be [key, parent, slot, gen]"),

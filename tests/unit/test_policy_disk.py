@@ -146,3 +146,22 @@ def test_a_gpu_block_on_disk_is_evicted_clean_when_cpu_is_full() -> None:
     cmds = p.pressure(NOW)
     assert Evict(POOL, k(1), Tier.GPU, Reason.CLEAN) in cmds
     assert not any(isinstance(c, Demote) and c.key == k(1) for c in cmds)
+
+
+def test_a_retired_disk_forgets_its_blocks_takes_nothing_and_cpu_sheds_past_it() -> None:
+    """An I/O error turns the disk tier off (kvtier/tiers/disk.py): the core forgets what it held,
+    never hands out a slot again, and cpu sheds into Redis as if the pool had no disk tier."""
+    p = placement(gpu=0, cpu=4, disk=8, disk_admit_after=0)
+    put(p, Tier.DISK, [10, 11])
+    p.on_fact(Stored(POOL, k(11), None, Tier.REDIS, -1, Cause.COPY))
+    p.in_redis(k(11), None)
+    assert p.tiers[Tier.REDIS].get(k(11)) is not None
+    gone = p.retired(Tier.DISK)
+    assert sorted(e.key for e in gone) == [k(10), k(11)]
+    assert p.tiers[Tier.DISK].capacity == 0 and len(p.tiers[Tier.DISK]) == 0
+    assert p.tiers[Tier.REDIS].get(k(11)) is None, "no copy left on the node: the Redis record is dropped too"
+    assert p.tiers[Tier.DISK].reserve(k(12), None) is None and p.tiers[Tier.DISK].reserve(k(12), None, 3) is None
+    assert p.bring_into_service(Tier.DISK, range(8)) == 0, "an adoption still running brings nothing back"
+    assert p.below(Tier.CPU) == Tier.REDIS
+    put(p, Tier.CPU, [1, 2, 3, 4])
+    assert {c.dst for c in p.pressure(NOW) if isinstance(c, Demote)} == {Tier.REDIS}

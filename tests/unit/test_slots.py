@@ -295,17 +295,21 @@ def test_set_slot_get_find_flags_and_delete(new_seg) -> None:
     w.set_slot(KA, 1, NO_SLOT)  # clearing an absent key is a no-op
     assert len(w) == 0 and r.find(KA) is None
     w.set_slot(KA, 1, 5)
-    assert w.get(KA) == r.find(KA) == (NO_SLOT, 5, 0)
+    assert w.get(KA) == r.find(KA) == (NO_SLOT, 5, 0, NO_SLOT)
     w.set_slot(KA, 0, 2)
-    assert r.find(KA) == (2, 5, 0)
+    assert r.find(KA) == (2, 5, 0, NO_SLOT)
     w.set_flag(KA, IN_REDIS, True)
     w.set_flag(KB, IN_REDIS, True)  # absent: ignored
-    assert r.find(KA) == (2, 5, IN_REDIS) and r.find(KB) is None and len(w) == 1
+    assert r.find(KA) == (2, 5, IN_REDIS, NO_SLOT) and r.find(KB) is None and len(w) == 1
     w.set_slot(KA, 1, NO_SLOT)
-    assert r.find(KA) == (2, NO_SLOT, IN_REDIS)
+    assert r.find(KA) == (2, NO_SLOT, IN_REDIS, NO_SLOT)
     w.set_flag(KA, IN_REDIS, False)
-    assert r.find(KA) == (2, NO_SLOT, 0)
+    assert r.find(KA) == (2, NO_SLOT, 0, NO_SLOT)
+    w.set_slot(KA, 2, 7)  # the disk column (tier index 2)
+    assert r.find(KA) == (2, NO_SLOT, 0, 7)
     w.set_slot(KA, 0, NO_SLOT)
+    assert r.find(KA) == (NO_SLOT, NO_SLOT, 0, 7), "listed while only the disk tier holds it"
+    w.set_slot(KA, 2, NO_SLOT)
     assert r.find(KA) is None and w.get(KA) is None and len(w) == 0
 
 
@@ -323,7 +327,7 @@ def test_backward_shift_delete_across_the_wraparound(new_seg) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 39), st.sampled_from([0, 1]), st.integers(-1, 9), st.booleans()),
+@given(st.lists(st.tuples(st.integers(0, 39), st.sampled_from([0, 1, 2]), st.integers(-1, 9), st.booleans()),
                 max_size=120))
 def test_directory_matches_a_dict_model(ops) -> None:
     keys = [hkey(h, i) for i, h in enumerate([0, 1, 2, 61, 62, 63, 5, 30] * 5)]
@@ -336,9 +340,9 @@ def test_directory_matches_a_dict_model(ops) -> None:
             key = keys[ki]
             w.set_slot(key, col, slot)
             if key in model or slot != NO_SLOT:
-                row = model.setdefault(key, [NO_SLOT, NO_SLOT, 0])
-                row[col] = slot
-                if row[:2] == [NO_SLOT, NO_SLOT]:
+                row = model.setdefault(key, [NO_SLOT, NO_SLOT, 0, NO_SLOT])
+                row[(0, 1, 3)[col]] = slot  # a row is [gpu, cpu, flags, disk]
+                if [row[0], row[1], row[3]] == [NO_SLOT] * 3:
                     del model[key]
             if flag and key in model:
                 w.set_flag(key, IN_REDIS, not model[key][2])

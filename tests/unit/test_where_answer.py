@@ -22,13 +22,15 @@ def test_leading() -> None:
 
 def test_verified_runs_follow_each_candidate_to_its_first_gap() -> None:
     nodes = ["a", "b/e0"]
-    assert candidate_fields(nodes) == ["a|engine", "a|gpu", "a|cpu", "b/e0|engine", "b/e0|gpu", "b/e0|cpu"]
+    assert candidate_fields(nodes) == ["a|engine", "a|gpu", "a|cpu", "a|disk",
+                                       "b/e0|engine", "b/e0|gpu", "b/e0|cpu", "b/e0|disk"]
     n = None
-    replies = [[n, n, b"1", b"1", n, n], [n, b"1", n, b"1", n, n], [n, n, b"1", n, n, n], [n, n, b"1", b"1", n, n]]
+    replies = [[n, n, b"1", n, b"1", n, n, n], [n, b"1", n, n, b"1", n, n, n], [n, n, n, b"1", n, n, n, n],
+               [n, n, b"1", b"1", b"1", n, n, n]]
     runs = verified_runs(nodes, replies)
-    assert [(r.node, r.length, r.tiers) for r in runs] == [("a", 4, ("cpu", "gpu", "cpu", "cpu")),
+    assert [(r.node, r.length, r.tiers) for r in runs] == [("a", 4, ("cpu", "gpu", "disk", "cpu")),
                                                          ("b/e0", 2, ("engine", "engine"))]
-    assert verified_runs(["c"], [[None, None, None]]) == []
+    assert verified_runs(["c"], [[None, None, None, None]]) == []
 
 
 def test_index_commands() -> None:
