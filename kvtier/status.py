@@ -75,7 +75,7 @@ def _disk(d: dict) -> str:
         took = "" if d.get("adopt_s") is None else f" in {d['adopt_s']:.1f}s"
         state = f"on  {d['adopted']} blocks adopted at start{took}"
     adm = d.get("admission") or {}
-    return (f"  disk   {state}  {'O_DIRECT' if d['direct'] else 'page cache'}  {d['path']}  "
+    return (f"  disk   {state}  {'O_DIRECT' if d['direct'] else 'page cache'}  {d['path'] or ''}  "
             f"admission: " + " ".join(f"{k} {v}" for k, v in sorted(adm.items())))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import fields
@@ -84,29 +85,38 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
 
 
 def open_disk_file(cfg: PoolConfig, node: str, layout: BlockLayout, disk: DiskConfig, gid: int | None,
-                   log) -> tuple[DiskBlockFile, bool]:
-    """The pool's block file in [disk] dir, adopted or made; a start error that names the settings."""
+                   log) -> tuple[DiskBlockFile | None, bool, str | None]:
+    """The pool's block file in [disk] dir, adopted or made: (file, adopted, None). A device
+    that fails to open it (EIO, EROFS, ENOSPC, EACCES: a DiskFault) leaves the pool without its
+    disk tier, serving from the others: (None, False, why), with the disk.tier_off line. A
+    setting that cannot work (no block fits, the reserve, a file that is not ours) stops the
+    start with an error that names the settings."""
     path = Path(disk.dir) / f"{node}.{cfg.name}.blocks"
     n = DiskBlockFile.slots_for(cfg.disk_bytes, layout.block_bytes)
     if n <= 0:
         raise KvtierError(f"pools.{cfg.name}.disk_bytes = {cfg.disk_bytes} holds no block of {layout.block_bytes} "
                           f"bytes with its header")
+    if disk.inject_fault:
+        log.warning("disk.fault_armed", inject_fault=disk.inject_fault)
     try:
         if not path.parent.exists():
             path.parent.mkdir(parents=True, mode=0o700 if gid is None else 0o750)
             if gid is not None:  # clients of the shm group read the block file themselves
                 os.chown(path.parent, -1, gid)
-        if disk.inject_fault:
-            log.warning("disk.fault_armed", inject_fault=disk.inject_fault)
         f, adopted = DiskBlockFile.open_or_create(path, n, layout.block_bytes, layout.fingerprint,
                                                   reserve_bytes=disk.reserve_bytes, faults=IoFaults(disk.inject_fault))
-    except (DiskFault, SegmentError, OSError) as e:
+    except SegmentError as e:
         raise KvtierError(f"[disk] dir = {disk.dir!r}, pools.{cfg.name}.disk_bytes = {cfg.disk_bytes}: "
-                          f"cannot open the disk tier's block file: {e}") from None
+                          f"cannot use the disk tier's block file: {e}") from None
+    except OSError as e:  # DiskFault, or mkdir's own error
+        why = f"open: {e.strerror or e}"
+        log.error("disk.tier_off", path=str(path), op="open", errno=errno.errorcode.get(e.errno or 0, str(e.errno)),
+                  error=str(e), blocks=0, note="the pool serves from its other tiers; a restart tries the disk again")
+        return None, False, why
     if gid is not None:
         f.share_with_group(gid)
     log.info("disk.opened", path=str(path), blocks=n, bytes=os.path.getsize(path), direct=f.direct, adopted=adopted)
-    return f, adopted
+    return f, adopted, None
 
 
 def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
@@ -115,10 +125,11 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
-    disk_file, adopted = None, False
+    disk_file, adopted, disk_error = None, False, None
     if cfg.disk_bytes:
-        disk_file, adopted = open_disk_file(cfg, node, layout, disk_cfg, gid, log)
-        files.append(disk_file)
+        disk_file, adopted, disk_error = open_disk_file(cfg, node, layout, disk_cfg, gid, log)
+        if disk_file is not None:
+            files.append(disk_file)
     dir_cap = directory_capacity(cfg.gpu_blocks + cfg.cpu_blocks + (disk_file.n if disk_file is not None else 0))
     dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
     created.append(dir_seg)
@@ -188,6 +199,7 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         gpu_ipc=gpu_ipc,
         arena=fill,
         disk=disk_tier,
+        disk_error=disk_error,
     )
 
 

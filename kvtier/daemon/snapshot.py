@@ -43,5 +43,16 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
         "arena": rt.arena.stats() if rt.arena is not None else None,
-        "disk": None if rt.disk is None else {**rt.disk.stats(), "admission": rt.placement.disk_admissions.snapshot()},
+        "disk": _disk(rt),
     }
+
+
+def _disk(rt: PoolRuntime) -> dict[str, Any] | None:
+    """The disk tier's state; one that could not open at start shows as off, with why."""
+    if rt.disk is not None:
+        return {**rt.disk.stats(), "admission": rt.placement.disk_admissions.snapshot()}
+    if rt.disk_error is None:
+        return None
+    return {"state": "off", "path": None, "direct": False, "error": rt.disk_error, "errno": None, "off_at": None,
+            "lost": 0, "scanned": 0, "adopted": 0, "adopt_s": None,
+            "admission": rt.placement.disk_admissions.snapshot()}

@@ -33,6 +33,7 @@ class PoolRuntime:
     gpu_ipc: dict[str, object] | None = None
     arena: ArenaFill | None = None  # the cpu arena's population (kvtier/daemon/population.py)
     disk: DiskTier | None = None  # the disk tier, where the pool has one
+    disk_error: str | None = None  # why a configured disk tier could not open at start (then `disk` is None)
 
     @property
     def local_blocks(self) -> int:

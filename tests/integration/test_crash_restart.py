@@ -26,9 +26,12 @@ import random
 import signal
 import subprocess
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvtier.disk.reader import DiskSlots
 from kvtier.runtime import DESCRIPTOR, read_json
 from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import Flags, Kind, SlotTable
@@ -88,6 +91,27 @@ def _segments(node: str) -> set[str]:
     return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"kvtier.{node}.")}
 
 
+def _check_disk(d) -> int:
+    """Every block the disk tier's file calls valid, read and verified as a client reads it,
+    holds exactly its bytes. How many there were."""
+    pool = read_json(d.runtime_dir / DESCRIPTOR)["pools"]["t"]
+    seg = pool["disk"]
+    slots = DiskSlots(Path(seg["dir"]) / seg["segment"], bytes.fromhex(pool["fingerprint"]), pool["block_bytes"],
+                      os.geteuid())
+    seen = 0
+    try:
+        buf = np.empty(pool["block_bytes"], dtype=np.uint8)
+        for slot in range(slots.n):
+            h = slots._header(slot)
+            if h.flags == Flags.VALID and slots.read_into(slot, h.key, buf) is not None:
+                assert buf.tobytes() == expected_block(h.key, pool["block_bytes"]).tobytes(), \
+                    f"disk slot {slot} holds wrong bytes for {h.key.hex()[:16]}"
+                seen += 1
+    finally:
+        slots.close()
+    return seen
+
+
 def _check_segments(node: str, workers: list[subprocess.Popen]) -> None:
     names = _segments(node)
     own = {n for n in names if ".stage." not in n}
@@ -99,20 +123,27 @@ def _check_segments(node: str, workers: list[subprocess.Popen]) -> None:
 
 @pytest.mark.timeout(120 + 8 * KILLS)
 @pytest.mark.slow
-def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server, tmp_path):
-    d = daemon_factory(gpu=8, cpu=24, persist_arena=True)
+@pytest.mark.parametrize("with_disk", [False, True], ids=["memory", "disk"])
+def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server, tmp_path, with_disk):
+    """With a disk tier too (half the kills): cpu sheds into it, and every restart adopts its
+    block file again, which must hold no wrong byte either."""
+    kills = KILLS if not with_disk else max(5, KILLS // 2)
+    disk = {"disk_dir": tmp_path / "disk", "disk_bytes": 2 << 20} if with_disk else {}
+    d = daemon_factory(gpu=8, cpu=24, persist_arena=True,
+                       extra='[policy]\ndisk_admit_after = 0\n' if with_disk else "", **disk)
     workers = start_demo_workers(d.runtime_dir, tmp_path, CLIENTS, prefixes=12)
     bus = redis_server.client()
     client_stream = f"kvtier:{{{d.node}}}:client"
-    rng = random.Random(KILLS)
+    rng = random.Random(kills)
     named = 0
+    disk_blocks = 0  # the most valid blocks the disk tier's file held after a restart
     slowest_start = 0.0
     try:
         # Every client connected and putting (its staging segment exists) before the first kill.
         wait_until(lambda: {n.split(".stage.")[1].split(".")[0] for n in _segments(d.node) if ".stage." in n}
                    >= {str(w.pid) for w in workers}, timeout=60, message="every client is putting")
         wait_until(lambda: d.pool_stats().get("puts", 0) > 20, timeout=30, message="the workload started")
-        for i in range(KILLS):
+        for i in range(kills):
             if i % 5 == 4:  # one kill in five: the daemon dies at a named point in a write
                 point = POINTS[(i // 5) % len(POINTS)]
                 d.kill()
@@ -141,17 +172,21 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
                 assert last["discarded"] >= 1 and last["torn"] >= 1, f"the torn slot was not discarded: {last}"
             _check_arenas(d.node, d.runtime_dir)
             _check_segments(d.node, workers)
+            if with_disk:
+                disk_blocks = max(disk_blocks, _check_disk(d))
         wait_until(lambda: d.pool_stats().get("puts", 0) > 0, timeout=30, message="work resumed after the last restart")
     finally:
         stop_demo_workers(workers)
         bus.close()
     total = demo_totals(tmp_path, CLIENTS)
     assert total["wrong_blocks"] == 0, total
-    assert total["requests"] > KILLS and total["local_hits"] > 0, total
+    assert total["requests"] > kills and total["local_hits"] > 0, total
+    assert not with_disk or disk_blocks > 0, "the disk tier never held a block: the kills did not exercise it"
 
     # Entries left pending by the kills are reclaimed (own history, then XAUTOCLAIM) and acked.
     r = redis_server.client()
-    streams = [f"kvtier:{{{d.node}}}:{s}" for s in ("client", "facts", "tier:gpu", "tier:cpu", "tier:redis")]
+    streams = [f"kvtier:{{{d.node}}}:{s}" for s in ("client", "facts", "tier:gpu", "tier:cpu", "tier:redis")
+               + (("tier:disk",) if with_disk else ())]
     wait_until(lambda: all(g["pending"] == 0 and g["lag"] == 0 for s in streams for g in r.xinfo_groups(s)),
                timeout=30, message="every pending entry reclaimed and acked")
     dead = r.xlen(f"kvtier:{{{d.node}}}:dlq") if r.exists(f"kvtier:{{{d.node}}}:dlq") else 0
@@ -163,7 +198,8 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
     leftover = _segments(d.node)
     assert leftover == {f"kvtier.{d.node}.t.cpu"}, f"after a clean stop only the kept arena remains: {leftover}"
     ShmSegment.unlink_name(f"kvtier.{d.node}.t.cpu")
-    print(f"\ncrash/restart: {KILLS} kills ({named} at named points), slowest restart to READY "
+    print(f"\ncrash/restart ({'with' if with_disk else 'no'} disk tier, at most {disk_blocks} blocks on it): "
+          f"{kills} kills ({named} at named points), slowest restart to READY "
           f"{slowest_start:.1f}s (limit {READY_TIMEOUT_S:.0f}s), {discarded} torn or corrupt slots discarded, "
           f"{seen['valid']} valid blocks verified at the end, {dead} dead letters, {total['requests']} requests, "
           f"{total['blocks']} blocks wanted, wrong blocks {total['wrong_blocks']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from kvtier.core.events import Tier
 from kvtier.disk.blockfile import DiskBlockFile
 from kvtier.shm.slots import HEADER_OFF, SLOT_HDR
 from kvtier.store.redis_blocks import redis_block_key
-from kvtier.tools.daemon_process import DaemonStartError
 from tests.support.blocks import SHAPE, make_kv, same_bytes, stored_somewhere
 from tests.support.mounts import mounted
 from tests.support.waiting import async_wait_until, wait_until
@@ -231,16 +231,24 @@ def need_root() -> None:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
 
 
-def test_a_read_only_filesystem_at_start_is_a_clear_start_error(daemon_factory, tmp_path):
-    """A real EROFS: the disk tier's directory on a tmpfs mounted read-only. (A filesystem
-    remounted read-only under the running daemon is the injected "erofs" case above: tmpfs
-    refuses a read-only remount while the block file is open for writing.)"""
+async def test_a_read_only_filesystem_at_start_leaves_the_pool_serving_without_its_disk(daemon_factory, tmp_path):
+    """A real EROFS: the disk tier's directory on a tmpfs mounted read-only (as a failed NVMe
+    comes back after a reboot). The daemon starts all the same, says why its disk tier is off,
+    and serves from cpu and Redis. (A filesystem remounted read-only under the running daemon is
+    the injected "erofs" case above: tmpfs refuses a read-only remount while the file is open.)"""
     need_root()
     with mounted("tmpfs", tmp_path / "mnt", "size=8m,mode=0700") as mnt:
         (mnt / "disk").mkdir()
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        d = daemon_factory(gpu=0, cpu=CPU, disk_dir=mnt / "disk", disk_bytes=DISK_BYTES, start=False)
-        with pytest.raises(DaemonStartError):
-            d.start()
-        log = d.log_path.read_text()
-        assert "cannot open the disk tier's block file" in log and "Read-only file system" in log, log[-2000:]
+        d = daemon_factory(gpu=0, cpu=CPU, disk_dir=mnt / "disk", disk_bytes=DISK_BYTES)
+        wait_until(lambda: disk_state(d).get("state") == "off", timeout=10, message="the disk tier off in stats")
+        assert "Read-only file system" in disk_state(d)["error"]
+        off = [x for x in d.log_path.read_text().splitlines() if '"disk.tier_off"' in x]
+        assert len(off) == 1 and "EROFS" in off[0], off
+        assert "OFF since an I/O error" in subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "status", "--runtime-dir", str(d.runtime_dir)],
+            capture_output=True, text=True, timeout=30).stdout
+        async with await Client.connect(d.runtime_dir) as c:
+            for keys, kv in await put_chains(c, d, 6, base=0):
+                assert await read_whole(c, keys, kv, remote=True) == 4
+        d.stop()

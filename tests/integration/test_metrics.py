@@ -26,7 +26,8 @@ DOCUMENTED = {  # the names docs/operations.md lists and the dashboard uses
     "kvtier_stream_pending",
     "kvtier_stream_lag", "kvtier_event_loop_lag_seconds", "kvtier_event_loop_lag_max_seconds",
     "kvtier_arena_bytes", "kvtier_arena_populated_bytes", "kvtier_arena_populate_failed", "kvtier_arena_page_bytes",
-    "kvtier_ready_seconds",
+    "kvtier_ready_seconds", "kvtier_disk_up", "kvtier_disk_lost_blocks", "kvtier_disk_adopted_blocks",
+    "kvtier_disk_scanned_slots", "kvtier_disk_admissions",
     *(f"kvtier_bus_{c}" for c in BUS_COUNTERS),
 }
 

@@ -17,9 +17,11 @@ def test_unit_declares_the_contract() -> None:
     settings = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "User=kvtier", "RuntimeDirectory=kvtier",
                  "RemoveIPC=no", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                 "TimeoutStartSec="):
+                 "TimeoutStartSec=", "StateDirectory=kvtier"):
         assert any(s.startswith(line) for s in settings), line
     assert "PrivateDevices=yes" not in settings, "it would hide the GPU device nodes"
+    # The disk tier's directory is the one writable place it gets; nothing else is granted.
+    assert not any(s.startswith(("ReadWritePaths=", "ProtectSystem=full", "ProtectSystem=no")) for s in settings)
 
 
 EXPOSURE_MAX = 4.0  # systemd-analyze security: 3.4 today ("OK"); a regression above this fails
