@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prefixes", type=int, default=24, help="distinct shared system prompts (default 24)")
     m.add_argument("--seed", type=int, default=1)
     m.add_argument("--keep", action="store_true", help="keep the runtime directory (logs, stats) afterwards")
+    m.add_argument("--disk-mib", type=int, default=0, metavar="N",
+                   help="give the demo pool a disk tier of N MiB in the runtime directory (default 0: none)")
     m.set_defaults(fn=cmd_demo)
 
     w = sub.add_parser("_demo-worker")  # the demo's client processes: not listed

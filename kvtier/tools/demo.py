@@ -23,6 +23,7 @@ from kvtier.processes import die_with_parent, stop_processes
 from kvtier.runtime import DESCRIPTOR, STATS, read_json
 from kvtier.status import human_bytes
 from kvtier.tools.daemon_process import DaemonProcess, DaemonStartError
+from kvtier.tools.demo_config import demo_disk_config
 
 READY_TIMEOUT_S = 30.0
 
@@ -201,7 +202,7 @@ async def _worker(args, stop: dict) -> dict:
 def progress_line(stats: dict, t0: float) -> str:
     parts = [f"t={time.monotonic() - t0:5.1f}s"]
     for _, pool in stats.get("pools", {}).items():
-        for tier in ("gpu", "cpu", "redis"):
+        for tier in [t for t in ("gpu", "cpu", "disk", "redis") if t in pool["tiers"]]:
             t = pool["tiers"][tier]
             cap = f"/{t['capacity']}" if t["capacity"] else ""
             parts.append(f"{tier} {t['blocks']}{cap} blk hit {t['hits']} up {t['promoted_in']} "
@@ -234,7 +235,8 @@ def run_demo(args) -> int:
     print(f"kvtier demo: starting the daemon (runtime dir {rdir}, log {log_path}{kept})", flush=True)
     # A new session: Ctrl-C reaches the children only through us, in order. Tied: if we are
     # killed outright, they go too.
-    daemon = DaemonProcess(Path(args.config) if args.config else None, rdir, env, log_path=log_path,
+    config = Path(args.config) if args.config else demo_disk_config(rdir, args.disk_mib) if args.disk_mib else None
+    daemon = DaemonProcess(config, rdir, env, log_path=log_path,
                            new_session=True, tied=True)
     workers: list[subprocess.Popen] = []
     code = 0
@@ -328,7 +330,7 @@ def _summary(rdir: Path, n_workers: int) -> int:
               f"dropped {pool['puts_dropped'] + pool.get('client_puts_dropped', 0)}, misses {pool['misses']}")
         print(f"  {'tier':<6}{'blocks':>8}{'MiB':>8}{'hits':>8}{'stored':>8}"
               f"{'promoted':>10}{'demoted':>9}{'evicted':>9}{'failed':>8}")
-        for tier in ("gpu", "cpu", "redis"):
+        for tier in [t for t in ("gpu", "cpu", "disk", "redis") if t in pool["tiers"]]:
             t = pool["tiers"][tier]
             hits = pool.get("remote_reads", 0) if tier == "redis" else t["hits"]
             print(f"  {tier:<6}{t['blocks']:>8}{t['bytes'] / 2**20:>8.1f}{hits:>8}{t['stored']:>8}"

@@ -100,3 +100,31 @@ def test_demo_stops_cleanly_on_ctrl_c():
     assert "=== kvtier demo summary ===" in out and "wrong blocks read: 0" in out
     assert _leftovers(proc.pid) == [], "no shared memory left behind"
     assert _processes_of(proc.pid) == [], "no process of the demo is left running"
+
+
+def test_demo_with_a_disk_tier_shows_it_and_reads_no_wrong_bytes(tmp_path):
+    """The demo's tiers with a disk tier under cpu: blocks shed into it, shown in the progress
+    lines and the summary, and every block the clients read is exact."""
+    cfg = tmp_path / "disk.toml"
+    cfg.write_text(f'[disk]\ndir = "{tmp_path / "disk"}"\nreserve_bytes = 0\n[policy]\ndisk_admit_after = 0\n'
+                   + SMALL + 'disk_bytes = "4MiB"\n')
+    tmp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--duration", "12", "--clients", "2",
+                          "--config", str(cfg)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "wrong blocks read: 0" in out.stdout
+    assert re.search(r"disk \d+/\d+ blk", out.stdout), "the progress lines show the disk tier"
+    disk = _summary_row(out.stdout, "disk")
+    assert disk[5] > 0, "blocks were demoted cpu -> disk"
+
+
+def test_demo_disk_mib_gives_the_built_in_pool_a_disk_tier(tmp_path):
+    from kvtier.config import DEMO_POOL, load_config
+    from kvtier.tools.demo_config import demo_disk_config
+
+    cfg = load_config(demo_disk_config(tmp_path, 64), {})
+    (pool,) = cfg.pools
+    assert pool.disk_bytes == 64 << 20 and cfg.disk.dir == str(tmp_path / "disk")
+    assert (pool.model, pool.layers, pool.cpu_blocks, pool.dtype) == \
+        (DEMO_POOL.model, DEMO_POOL.layers, DEMO_POOL.cpu_blocks, DEMO_POOL.dtype)
