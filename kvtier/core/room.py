@@ -134,12 +134,19 @@ class Room(Residency):
         need = max(0, self.incoming(t) - idx.free) + want
         clean = {e.key: e for e in itertools.islice(idx.ready(), SPARE_WINDOW) if self._clean(t, e)}
         kids = {key: idx.children(key) for key in clean}  # children not yet counted as dropped
+        below = {key: self.held_below(t, key) for key in clean}
         leaves = [key for key, n in kids.items() if n == 0]
         found = 0
         while leaves and found < need:
-            parent = clean[leaves.pop()].parent
+            leaf = leaves.pop()
+            parent = clean[leaf].parent
             found += 1
             if parent in kids:
+                if below[leaf] in NODE and below[parent] not in NODE:
+                    # The dropped child stays on the node (on disk): its parent, held only off the
+                    # node, may then not go (strands_children), so it is no spare.
+                    kids[parent] = -1
+                    continue
                 kids[parent] -= 1
                 if kids[parent] == 0:
                     leaves.append(parent)

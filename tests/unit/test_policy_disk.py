@@ -165,3 +165,19 @@ def test_a_retired_disk_forgets_its_blocks_takes_nothing_and_cpu_sheds_past_it()
     assert p.below(Tier.CPU) == Tier.REDIS
     put(p, Tier.CPU, [1, 2, 3, 4])
     assert {c.dst for c in p.pressure(NOW) if isinstance(c, Demote)} == {Tier.REDIS}
+
+
+def test_a_parent_whose_dropped_child_stays_on_disk_is_no_spare_for_a_put() -> None:
+    """A full cpu tier holding a chain P -> C, C also on disk and P also in Redis: dropping C
+    (clean) leaves C on the node, so P, held only off the node, may not go after it (it would
+    strand C). A put counted it as room anyway, and the worker then found nothing to drop: the
+    flood test's dropped puts. Only C is a spare."""
+    p = placement(gpu=0, cpu=2, disk=8)
+    put(p, Tier.CPU, [1, 2], chain=True)
+    put(p, Tier.DISK, [2])
+    assert p.in_redis(k(1), None)
+    assert p.admit([k(10), k(11)], NOW) == [Tier.CPU, Tier.REDIS]
+    q = placement(gpu=0, cpu=2, disk=8)  # both held on disk: both are spares
+    put(q, Tier.CPU, [1, 2], chain=True)
+    put(q, Tier.DISK, [1, 2], chain=True)
+    assert q.admit([k(10), k(11)], NOW) == [Tier.CPU, Tier.CPU]
