@@ -15,13 +15,14 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier.client import Client
 from kvtier.core.events import Tier
 from kvtier.disk.blockfile import DiskBlockFile
-from kvtier.shm.slots import HEADER_OFF, SLOT_HDR
+from kvtier.shm.slots import HEADER_OFF, SLOT_HDR, checksum
 from kvtier.store.redis_blocks import redis_block_key
 from tests.support.blocks import SHAPE, make_kv, same_bytes, stored_somewhere
 from tests.support.mounts import mounted
@@ -110,6 +111,15 @@ async def test_cpu_sheds_reused_blocks_to_disk_and_clients_read_them_from_the_fi
         assert disk_state(d)["state"] == "on" and disk_state(d)["direct"], disk_state(d)
         on_disk = [k for keys, _ in hot for k in keys if (c.pool("t").locate(k) or (None,))[0] == Tier.DISK]
         assert len(on_disk) >= 2, "the client finds disk-resident blocks in the directory"
+        # The engines' path (the vLLM connector's worker half, SGLang's pages): get_with copies a
+        # block out in pieces of the caller's layout and checks the caller's digest of them.
+        want = {k: kv[i].contiguous().view(torch.uint8).reshape(-1).numpy() for keys, kv in hot
+                for i, k in enumerate(keys)}
+        pieces: dict[int, list[np.ndarray]] = {}
+        got = await c.get_with("t", on_disk[:2], lambda i, src: pieces.__setitem__(i, [src[:BB // 2].copy(),
+                                                                                        src[BB // 2:].copy()]),
+                               lambda i: checksum(np.concatenate(pieces[i])))
+        assert got == 2 and all(np.array_equal(np.concatenate(pieces[i]), want[k]) for i, k in enumerate(on_disk[:2]))
         for keys, kv in hot:
             assert await read_whole(c, keys, kv, remote=True) == 4, "a chain partly on disk read back whole"
         await async_wait_until(lambda: disk(d).get("hits", 0) >= 2, timeout=10, message="reads counted as disk hits")
