@@ -28,6 +28,7 @@ import errno
 import mmap
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ class DiskBlockFile:
         self.fingerprint = fingerprint
         self.faults = faults
         self.valid_bytes = valid_bytes  # what the file held when adopted: slots past it were truncated
+        self._local = threading.local()  # each I/O thread's bounce buffer
 
     # --- creation, adoption ----------------------------------------------------------------------
 
@@ -238,6 +240,13 @@ class DiskBlockFile:
 
     # --- payload I/O -------------------------------------------------------------------------------
 
+    def _bounce(self) -> npt.NDArray[np.uint8]:
+        """This thread's page-aligned block buffer, for O_DIRECT I/O of unaligned memory."""
+        buf: npt.NDArray[np.uint8] | None = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = self._local.bounce = aligned_empty(self.stride)
+        return buf
+
     def _io(self, op: str, fn: Any, *args: Any) -> int:
         try:
             self.faults.check(op)
@@ -260,7 +269,7 @@ class DiskBlockFile:
         g = g + 1 if g % 2 == 0 else g + 2  # odd: readers miss while the payload changes
         self._set_gen(slot, g)
         if self.direct and not (_aligned(src) and self.block_bytes == self.stride):
-            bounce = aligned_empty(self.stride)
+            bounce = self._bounce()
             bounce[: self.block_bytes] = src
             src = bounce
         pos = self.payload_off + slot * self.stride
@@ -282,7 +291,7 @@ class DiskBlockFile:
             return None
         target = dst.reshape(-1)
         direct_ok = not self.direct or (_aligned(target) and self.block_bytes == self.stride)
-        buf = target if direct_ok else aligned_empty(self.stride)
+        buf = target if direct_ok else self._bounce()
         pos = self.payload_off + slot * self.stride
         got = self._io("read", os.preadv, self._dfd, [buf], pos)
         if got != buf.nbytes:

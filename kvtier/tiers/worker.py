@@ -28,6 +28,7 @@ from kvtier.bus.dedup import AppliedEntries
 from kvtier.core.events import Copy, Demote, Event, Evict, Failure, Promote, Reason, Store, Tier
 from kvtier.core.fence import CommandFence
 from kvtier.core.outcomes import evicted, failed, held, read, sent, written
+from kvtier.disk.blockfile import aligned_empty
 from kvtier.errors import DiskFault, MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
@@ -80,7 +81,8 @@ class TierWorker:
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
         if buf is None:
-            buf = self._scratch[nbytes] = np.empty(nbytes, dtype=np.uint8)
+            # Page-aligned: the disk tier's O_DIRECT I/O then goes straight to and from it.
+            buf = self._scratch[nbytes] = aligned_empty(nbytes)
         return buf
 
     async def handle(self, d: Delivery) -> None:
