@@ -147,8 +147,9 @@ async def test_the_disk_holds_its_capacity_under_a_write_flood(daemon_factory, t
         peak = max(peak, disk(d)["blocks"])
     assert peak <= cap and block_file(d).stat().st_size == size
     # Every chain is read back whole and exact, but for puts the daemon reported dropped: a put
-    # into a full cpu tier can lose the clean slot it was counted against to a write-back racing
-    # it (seen only with a disk tier, 0-2 puts of 77 here; counted and logged, never wrong bytes).
+    # into a full cpu tier can still, rarely, be counted against a slot the worker then cannot
+    # free (seen only with a disk tier: 0-1 of 77 puts here, 0-2 before Room._clean_spares
+    # stopped counting a parent whose child stays on disk). Counted and logged, never wrong bytes.
     assert broken <= _dropped(d) <= len(chains) // 20, (broken, _dropped(d))
 
 
@@ -163,8 +164,10 @@ async def test_blocks_are_adopted_after_kill_9_and_damaged_ones_are_misses(daemo
         await async_wait_until(lambda: disk(d).get("blocks", 0) >= 12, timeout=20, message="chains shed to disk")
     d.kill()
     d.start()
-    assert any('"disk.adopting"' in x for x in d.log_path.read_text().splitlines())
     adopted(d)
+    lines = d.log_path.read_text().splitlines()
+    ready = max(i for i, x in enumerate(lines) if '"daemon.ready"' in x)
+    assert any('"disk.adopted"' in x for x in lines[ready:]), "adopted after READY, by this start"
     assert disk_state(d)["adopted"] >= 12, disk_state(d)
     async with await Client.connect(d.runtime_dir) as c:
         on_disk = [(keys, kv) for keys, kv in chains if all(c.pool("t").locate(k) for k in keys)]
