@@ -181,3 +181,15 @@ def test_a_parent_whose_dropped_child_stays_on_disk_is_no_spare_for_a_put() -> N
     put(q, Tier.CPU, [1, 2], chain=True)
     put(q, Tier.DISK, [1, 2], chain=True)
     assert q.admit([k(10), k(11)], NOW) == [Tier.CPU, Tier.CPU]
+
+
+def test_a_parent_whose_child_is_on_its_way_to_disk_is_no_spare_either() -> None:
+    """As above, with the child's write-back to disk still in flight when the put is admitted:
+    the parent strands a child on its way into disk, so it is not clean to begin with."""
+    p = placement(gpu=0, cpu=2, disk=8, disk_admit_after=0)
+    put(p, Tier.CPU, [1, 2], chain=True)
+    for i in (1, 2):
+        assert p.in_redis(k(i), None)  # both clean through Redis (a spilled put's copies)
+    slot = p.tiers[Tier.CPU].get(k(2)).slot
+    assert p.pressure(NOW) == [Demote(POOL, k(2), k(1), Tier.CPU, Tier.DISK, slot, 0)]  # on its way to disk
+    assert p.admit([k(10), k(11)], NOW) == [Tier.CPU, Tier.REDIS]
