@@ -142,9 +142,11 @@ class Room(Residency):
             parent = clean[leaf].parent
             found += 1
             if parent in kids:
-                if below[leaf] in NODE and below[parent] not in NODE:
-                    # The dropped child stays on the node (on disk): its parent, held only off the
-                    # node, may then not go (strands_children), so it is no spare.
+                if below[parent] not in NODE and (below[leaf] in NODE or self.tiers[Tier.DISK].capacity):
+                    # The dropped child may stay on the node: on disk now, or written back there
+                    # before the worker makes room (shedding, decided after this count, may send
+                    # it). Its parent, held only off the node, then may not go (strands_children),
+                    # so it is no spare.
                     kids[parent] = -1
                     continue
                 kids[parent] -= 1

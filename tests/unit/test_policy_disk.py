@@ -193,3 +193,16 @@ def test_a_parent_whose_child_is_on_its_way_to_disk_is_no_spare_either() -> None
     slot = p.tiers[Tier.CPU].get(k(2)).slot
     assert p.pressure(NOW) == [Demote(POOL, k(2), k(1), Tier.CPU, Tier.DISK, slot, 0)]  # on its way to disk
     assert p.admit([k(10), k(11)], NOW) == [Tier.CPU, Tier.REDIS]
+
+
+def test_with_a_disk_tier_a_parent_held_only_in_redis_is_never_a_follow_on_spare() -> None:
+    """The child a put's room is made from may still be written back to disk before the worker
+    drops it (shedding decides after the put is admitted, in the same batch): then its parent,
+    held only in Redis, may not go. With a disk tier such a parent is not counted; without one,
+    the rule is as before."""
+    for disk, want in ((8, [Tier.CPU, Tier.REDIS]), (0, [Tier.CPU, Tier.CPU])):
+        p = placement(gpu=0, cpu=2, disk=disk)
+        put(p, Tier.CPU, [1, 2], chain=True)
+        for i in (1, 2):
+            assert p.in_redis(k(i), None)
+        assert p.admit([k(10), k(11)], NOW) == want, disk
