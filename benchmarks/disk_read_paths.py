@@ -1,4 +1,9 @@
-"""The two ways a client can read a disk-resident block, measured on a real daemon (issue 30).
+"""The disk tier on a real daemon (issue 30): write-back throughput, and the two ways a client can
+read a disk-resident block.
+
+- write-back: a cpu tier of 64 blocks filled at once, with watermarks that shed nearly all of it
+  into the disk tier in one go; blocks per second from the last put to the disk tier holding
+  them, with the disk worker's copy threads at 1 and at 4 (`[daemon] copy_threads`);
 
 - direct: the client reads the block file itself (kvtier/disk/reader.py), the path kvtier keeps;
 - promote-ahead: the client asks the daemon to bring the blocks into the cpu arena (a prefetch:
@@ -10,7 +15,7 @@ a temporary directory (ext4 here: O_DIRECT). Chains are put one at a time so tha
 sheds them into the disk tier; each round then reads the chains found only on disk, once by each
 path (the page cache dropped before each), and reports per-block latency and GB/s.
 
-    .venv/bin/python benchmarks/disk_read_paths.py [--dir /var/tmp] [--chains 24]
+    .venv/bin/python benchmarks/disk_read_paths.py [--dir /var/tmp] [--chains 24] [--skip-writeback]
 """
 
 from __future__ import annotations
@@ -130,13 +135,62 @@ async def run(rdir: Path, disk_dir: Path, chains: int) -> dict:
             "promote_ahead_gbps": bb / med(ahead) / 1e9 if ahead else None, "promote_batches": len(ahead)}
 
 
+WRITEBACK = POOL.replace("cpu_blocks = 16", "cpu_blocks = 64") + """
+[daemon]
+copy_threads = {threads}
+"""
+
+
+async def writeback(rdir: Path, blocks: int = 64) -> float:
+    """Blocks per second into the disk tier, from the last put to the tier holding them."""
+    async with await Client.connect(rdir) as c:
+        shape = c.pool("b").shape
+        kv = torch.randint(-30000, 30000, (BLOCKS, *shape), dtype=torch.int16).view(torch.float16)
+        for i in range(blocks // BLOCKS):
+            keys = c.block_keys("b", list(range(i * 10**5, i * 10**5 + 16 * BLOCKS)))
+            assert (await c.put("b", keys, kv)).dropped == 0
+        t0 = time.perf_counter()
+
+        def landed() -> int:
+            try:
+                return int(read_json(rdir / STATS)["pools"]["b"]["tiers"]["disk"]["demoted_in"])
+            except (OSError, ValueError, KeyError):
+                return 0
+        target = int(blocks * 0.85)
+        await until(lambda: landed() >= target, 120)
+        return target / (time.perf_counter() - t0)
+
+
+def run_writeback(base: Path, threads: int) -> float:
+    t = base / f"wb{threads}"
+    t.mkdir()
+    cfg = t / "b.toml"
+    # Watermarks that send nearly every block down at once: 64 blocks put, ~60 shed in one go.
+    cfg.write_text(WRITEBACK.format(disk=t / "disk", threads=threads).replace(
+        "disk_admit_after = 0", "disk_admit_after = 0\nhigh_watermark = 0.1\nlow_watermark = 0.05"))
+    d = DaemonProcess(cfg, t / "rt", {"KVTIER__NODE__ID": f"diskwb-{threads}-{int(time.time())}",
+                                      "KVTIER__NODE__RUNTIME_DIR": str(t / "rt"),
+                                      "KVTIER__DAEMON__PERSIST_ARENA": "false"})
+    d.start()
+    try:
+        return asyncio.run(writeback(t / "rt"))
+    finally:
+        d.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--chains", type=int, default=24)
+    ap.add_argument("--skip-writeback", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-diskread-") as tmp:
         t = Path(tmp)
+        if not args.skip_writeback:
+            for threads in (1, 4):
+                rate = run_writeback(t, threads)
+                print(json.dumps({"writeback_copy_threads": threads, "blocks_per_s": round(rate, 1),
+                                  "gbps": round(rate * (2 << 20) / 1e9, 3)}))
         cfg = t / "b.toml"
         cfg.write_text(POOL.format(disk=t / "disk"))
         d = DaemonProcess(cfg, t / "rt", {"KVTIER__NODE__ID": f"diskread-{int(time.time())}",

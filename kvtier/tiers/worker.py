@@ -34,8 +34,10 @@ from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
 from kvtier.shm.staging import StagingSegments
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_moves import DiskMoves
 from kvtier.tiers.evicting import Evictions
 from kvtier.tiers.facts import Fact, Facts, Received
+from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime, SlotTier
 from kvtier.tiers.redis_batch import Got, QueuedGet, QueuedSet, RedisBatch
 from kvtier.tiers.staged import CHANGED, NO_ROOM, StagedStores
@@ -77,6 +79,7 @@ class TierWorker:
         # Redis SETs (the redis worker) and GETs (promotes from Redis).
         self._staged = StagedStores(staging, self.writes, self.facts, self.failpoints, copy_threads)
         self._redis = RedisBatch(self.failpoints)
+        self._moves = DiskMoves(self.writes, self.facts, copy_threads)  # write-backs into the disk tier
 
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
@@ -106,7 +109,7 @@ class TierWorker:
             self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                           epoch=stamp[0], seq=stamp[1])
             return
-        if (rt.name, ev.key) in self._staged or (rt.name, ev.key) in self._redis:
+        if any((rt.name, ev.key) in q for q in (self._staged, self._redis, self._moves)):
             await self._drain()  # per-block order holds within a batch too
         t0 = time.perf_counter()
         fact: Fact | None
@@ -119,7 +122,7 @@ class TierWorker:
         self.facts.report(rt, fact, t0)
         if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:
             self._retire_disk(rt, rt.disk)
-        if self._staged.nbytes + self._redis.nbytes >= self.flush_bytes:
+        if self._staged.nbytes + self._redis.nbytes + self._moves.nbytes >= self.flush_bytes:
             await self._drain()
         self.applied.handled(d.envelope)
         self._fences.append((rt.name, ev.key, stamp))
@@ -149,9 +152,10 @@ class TierWorker:
     async def _drain(self) -> None:
         """Fill the queued stores' slots (one thread hop), then run the queued Redis writes and
         reads (one pipeline per pool), and report their outcomes."""
-        stores = self._staged.take()
+        stores, moves = self._staged.take(), self._moves.take()
         sets, gets = self._redis.take()
         await self._staged.drain(stores)
+        await self._moves.drain(moves)
         wrote, got = await self._redis.send(sets, gets)
         for w, err in wrote:
             self.facts.report(w.rt, self.facts.settle(w.rt, sent(w.ev, err), w.ev, _error(err)), w.t0)
@@ -224,6 +228,8 @@ class TierWorker:
             return None
         src = rt.local(ev.src)
         slot = None if src is None else src.slot_of(ev.key)
+        if isinstance(dst, DiskTier) and isinstance(src, LocalTier) and slot is not None:
+            return await self._moves.queue(rt, ev, src, slot, dst, t0)  # moved with the batch's others
         # Into Redis: read the source straight into the value to send.
         value, buf = rt.redis.new_value() if dst is None else (None, self._buf(rt.layout.block_bytes))
         csum = None
