@@ -120,7 +120,7 @@ class TierWorker:
         else:
             fact = await self._transfer(rt, ev, t0)
         self.facts.report(rt, fact, t0)
-        if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:
+        if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:  # met by any worker
             self._retire_disk(rt, rt.disk)
         if self._staged.nbytes + self._redis.nbytes + self._moves.nbytes >= self.flush_bytes:
             await self._drain()
@@ -137,6 +137,9 @@ class TierWorker:
             self._fences.clear()
             self.facts.take()
             raise
+        for rt in self.pools.values():  # a disk error met by the batch's queued moves
+            if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:
+                self._retire_disk(rt, rt.disk)
         facts = self.facts.take()
         fences, self._fences = self._fences, []
         try:
