@@ -1,7 +1,7 @@
 """The disk tier on a real daemon (issue 30): write-back throughput, and the two ways a client can
 read a disk-resident block.
 
-- write-back: a cpu tier of 64 blocks filled at once, with watermarks that shed nearly all of it
+- write-back: a cpu tier of 192 blocks filled at once, with watermarks that shed nearly all of it
   into the disk tier in one go; blocks per second from the last put to the disk tier holding
   them, with the disk worker's copy threads at 1 and at 4 (`[daemon] copy_threads`);
 
@@ -135,15 +135,16 @@ async def run(rdir: Path, disk_dir: Path, chains: int) -> dict:
             "promote_ahead_gbps": bb / med(ahead) / 1e9 if ahead else None, "promote_batches": len(ahead)}
 
 
-WRITEBACK = POOL.replace("cpu_blocks = 16", "cpu_blocks = 64") + """
+WRITEBACK = POOL.replace("cpu_blocks = 16", "cpu_blocks = 192") + """
 [daemon]
 copy_threads = {threads}
+stats_interval_s = 0.02
 """
 
 
-async def writeback(rdir: Path, blocks: int = 64) -> float:
+async def writeback(rdir: Path, blocks: int = 192) -> float:
     """Blocks per second into the disk tier, from the last put to the tier holding them."""
-    async with await Client.connect(rdir) as c:
+    async with await Client.connect(rdir, staging_blocks=blocks) as c:
         shape = c.pool("b").shape
         kv = torch.randint(-30000, 30000, (BLOCKS, *shape), dtype=torch.int16).view(torch.float16)
         for i in range(blocks // BLOCKS):
@@ -165,7 +166,7 @@ def run_writeback(base: Path, threads: int) -> float:
     t = base / f"wb{threads}"
     t.mkdir()
     cfg = t / "b.toml"
-    # Watermarks that send nearly every block down at once: 64 blocks put, ~60 shed in one go.
+    # Watermarks that send nearly every block down at once: 192 blocks put, ~180 shed in one go.
     cfg.write_text(WRITEBACK.format(disk=t / "disk", threads=threads).replace(
         "disk_admit_after = 0", "disk_admit_after = 0\nhigh_watermark = 0.1\nlow_watermark = 0.05"))
     d = DaemonProcess(cfg, t / "rt", {"KVTIER__NODE__ID": f"diskwb-{threads}-{int(time.time())}",
