@@ -153,8 +153,9 @@ class TierWorker:
             self.fence.record(pool, key, stamp)
 
     async def _drain(self) -> None:
-        """Fill the queued stores' slots (one thread hop), then run the queued Redis writes and
-        reads (one pipeline per pool), and report their outcomes."""
+        """Fill the queued stores' slots (one thread hop), move the queued write-backs into the
+        disk tier (side by side), then run the queued Redis writes and reads (one pipeline per
+        pool), and report their outcomes."""
         stores, moves = self._staged.take(), self._moves.take()
         sets, gets = self._redis.take()
         await self._staged.drain(stores)
