@@ -68,6 +68,15 @@ def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8, count=nbytes)
 
 
+def thread_buffer(local: threading.local, nbytes: int) -> npt.NDArray[np.uint8]:
+    """The calling thread's page-aligned buffer of `nbytes` kept in `local` (made on first use,
+    or remade for another size): one per I/O thread, not one mapping per I/O."""
+    buf: npt.NDArray[np.uint8] | None = getattr(local, "buf", None)
+    if buf is None or buf.nbytes != nbytes:
+        buf = local.buf = aligned_empty(nbytes)
+    return buf
+
+
 def _aligned(buf: npt.NDArray[np.uint8]) -> bool:
     return buf.ctypes.data % PAGE == 0 and buf.flags.c_contiguous
 
@@ -140,7 +149,7 @@ class DiskBlockFile:
                 cls._allocate(fd, path, size, reserve_bytes, st.st_size)
             mapping = mmap.mmap(fd, segment_bytes(n, block_bytes, with_payload=False), mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
-            dfd, direct = _open_payload(path)
+            dfd, direct = open_payload(path)
         except BaseException:
             os.close(fd)
             raise
@@ -240,13 +249,6 @@ class DiskBlockFile:
 
     # --- payload I/O -------------------------------------------------------------------------------
 
-    def _bounce(self) -> npt.NDArray[np.uint8]:
-        """This thread's page-aligned block buffer, for O_DIRECT I/O of unaligned memory."""
-        buf: npt.NDArray[np.uint8] | None = getattr(self._local, "bounce", None)
-        if buf is None:
-            buf = self._local.bounce = aligned_empty(self.stride)
-        return buf
-
     def _io(self, op: str, fn: Any, *args: Any) -> int:
         try:
             self.faults.check(op)
@@ -269,7 +271,7 @@ class DiskBlockFile:
         g = g + 1 if g % 2 == 0 else g + 2  # odd: readers miss while the payload changes
         self._set_gen(slot, g)
         if self.direct and not (_aligned(src) and self.block_bytes == self.stride):
-            bounce = self._bounce()
+            bounce = thread_buffer(self._local, self.stride)
             bounce[: self.block_bytes] = src
             src = bounce
         pos = self.payload_off + slot * self.stride
@@ -291,7 +293,7 @@ class DiskBlockFile:
             return None
         target = dst.reshape(-1)
         direct_ok = not self.direct or (_aligned(target) and self.block_bytes == self.stride)
-        buf = target if direct_ok else self._bounce()
+        buf = target if direct_ok else thread_buffer(self._local, self.stride)
         pos = self.payload_off + slot * self.stride
         got = self._io("read", os.preadv, self._dfd, [buf], pos)
         if got != buf.nbytes:
@@ -318,10 +320,10 @@ class DiskBlockFile:
         os.close(self._fd)
 
 
-def _open_payload(path: Path) -> tuple[int, bool]:
-    """A descriptor for payload I/O: O_DIRECT if the filesystem takes it (open and one aligned
-    read both succeed: some filesystems accept the flag and fail the I/O), else buffered."""
-    base = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+def open_payload(path: Path, base: int = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC) -> tuple[int, bool]:
+    """A descriptor for payload I/O, opened with `base` flags (the daemon's read-write, a
+    client's read-only): O_DIRECT if the filesystem takes it (open and one aligned read both
+    succeed: some filesystems accept the flag and fail the I/O), else buffered."""
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:

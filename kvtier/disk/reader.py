@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.disk.blockfile import aligned_empty
+from kvtier.disk.blockfile import open_payload, thread_buffer
 from kvtier.errors import SegmentError
 from kvtier.shm.slots import (
     HEADER_OFF,
@@ -57,7 +57,7 @@ class DiskSlots:
             if st.st_size < self.payload_off:
                 raise SegmentError(f"{path}: shorter than its header table")
             self._map = mmap.mmap(self._fd, self.payload_off, mmap.MAP_SHARED, mmap.PROT_READ)
-            self._dfd, self.direct = _open_payload(path, flags)
+            self._dfd, self.direct = open_payload(path, flags)
         except BaseException:
             os.close(self._fd)
             raise
@@ -80,12 +80,6 @@ class DiskSlots:
     def end_read(self, slot: int, gen: int, key: bytes) -> bool:
         h = self._header(slot)
         return h.gen == gen and h.key == key
-
-    def _bounce(self) -> npt.NDArray[np.uint8]:
-        buf: npt.NDArray[np.uint8] | None = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = aligned_empty(self.stride)
-        return buf
 
     def _pread(self, slot: int, buf: npt.NDArray[np.uint8]) -> bool:
         try:
@@ -113,7 +107,7 @@ class DiskSlots:
         snap = self.begin_read(slot, key, flags)
         if snap is None:
             return None
-        buf = self._bounce()
+        buf = thread_buffer(self._local, self.stride)
         if not self._pread(slot, buf):
             return None
         copy_out(buf[: self.block_bytes])
@@ -131,20 +125,3 @@ class DiskSlots:
         os.close(self._dfd)
         os.close(self._fd)
 
-
-def _open_payload(path: Path, flags: int) -> tuple[int, bool]:
-    """A read descriptor for payloads: O_DIRECT if the filesystem takes it (one aligned read
-    proves it), else through the page cache."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            fd = os.open(path, flags | direct)
-        except OSError:
-            pass
-        else:
-            try:
-                os.preadv(fd, [aligned_empty(PAGE).data], 0)
-                return fd, True
-            except OSError:
-                os.close(fd)
-    return os.open(path, flags), False

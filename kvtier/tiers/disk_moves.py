@@ -15,12 +15,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvtier.core.events import Copy, Demote, Failure, Promote
 from kvtier.core.index import Entry
 from kvtier.core.outcomes import failed, read, stored
-from kvtier.disk.blockfile import aligned_empty
+from kvtier.disk.blockfile import thread_buffer
 from kvtier.errors import DiskFault
 from kvtier.keys import BlockKey
 from kvtier.offload import map_shares
@@ -28,9 +26,9 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.facts import Fact, Facts
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
+from kvtier.tiers.staged import NO_ROOM
 from kvtier.tiers.writes import LocalWrites
 
-NO_ROOM = "no free slot and nothing clean to evict"
 Moved = int | None | DiskFault  # the checksum written; None: the source no longer held it; the disk's error
 
 
@@ -97,17 +95,11 @@ class DiskMoves:
                 outcome = stored(m.ev, m.dst.tier, m.rt.finish(m.dst, m.entry).slot)
             self.facts.report(m.rt, self.facts.settle(m.rt, outcome, m.ev, detail), m.t0)
 
-    def _buf(self, nbytes: int) -> np.ndarray:
-        buf: np.ndarray | None = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes != nbytes:
-            buf = self._local.buf = aligned_empty(nbytes)
-        return buf
-
     def _move(self, share: Sequence[DiskMove]) -> list[Moved]:
         """Off the loop: each source slot read and verified, then written to its disk slot."""
         out: list[Moved] = []
         for m in share:
-            buf = self._buf(m.rt.layout.block_bytes)
+            buf = thread_buffer(self._local, m.rt.layout.block_bytes)
             csum = m.src.read_slot(m.slot, m.ev.key, buf)
             if csum is None:
                 out.append(None)

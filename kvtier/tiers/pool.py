@@ -50,10 +50,7 @@ class PoolRuntime:
         now on. The blocks it held, which the caller reports removed."""
         assert self.disk is not None and self.disk.fault is not None
         gone = self.placement.retired(Tier.DISK)
-        self.disk.retire(gone)
-        for e in gone:
-            if not any(self.placement.tiers[t].get(e.key) is not None for t in (Tier.GPU, Tier.CPU)):
-                self.directory.set_flag(e.key, IN_REDIS, False)  # unlisted with its last slot anyway
+        self.disk.retire(gone)  # unlisted: a directory row left with no slot goes, its flags with it
         return gone
 
     # What a tier worker did, told to both the Placement (which owns the indices) and the client

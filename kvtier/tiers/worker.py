@@ -120,8 +120,7 @@ class TierWorker:
         else:
             fact = await self._transfer(rt, ev, t0)
         self.facts.report(rt, fact, t0)
-        if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:  # met by any worker
-            self._retire_disk(rt, rt.disk)
+        self._retire_failed_disk(rt)  # an I/O error met by this command, or by another worker
         if self._staged.nbytes + self._redis.nbytes + self._moves.nbytes >= self.flush_bytes:
             await self._drain()
         self.applied.handled(d.envelope)
@@ -137,9 +136,8 @@ class TierWorker:
             self._fences.clear()
             self.facts.take()
             raise
-        for rt in self.pools.values():  # a disk error met by the batch's queued moves
-            if rt.disk is not None and rt.disk.fault is not None and not rt.disk.retired:
-                self._retire_disk(rt, rt.disk)
+        for rt in self.pools.values():  # an I/O error met by the batch's queued moves
+            self._retire_failed_disk(rt)
         facts = self.facts.take()
         fences, self._fences = self._fences, []
         try:
@@ -166,11 +164,12 @@ class TierWorker:
         for r, value in got:
             self.facts.report(r.rt, await self._promoted(r.rt, r.ev, value, r.t0), r.t0)
 
-    def _retire_disk(self, rt: PoolRuntime, disk: DiskTier) -> None:
-        """The disk tier met an I/O error (in this worker or another): turn it off, with one log
-        line; its blocks are reported removed, and the other tiers keep serving."""
-        fault = disk.fault
-        assert fault is not None
+    def _retire_failed_disk(self, rt: PoolRuntime) -> None:
+        """The pool's disk tier met an I/O error (in this worker or another): turn it off, with
+        one log line; its blocks are reported removed, and the other tiers keep serving."""
+        disk = rt.disk
+        if disk is None or disk.retired or (fault := disk.fault) is None:
+            return
         gone = rt.retire_disk()
         for e in gone:
             fact = evicted(rt.name, e.key, Tier.DISK, Reason.FAULT).fact
