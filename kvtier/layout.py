@@ -8,8 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 # dtype name -> bytes per element. Names match torch's (torch.bfloat16 ...).
 DTYPE_BYTES = {
     "float16": 2,
@@ -38,7 +36,8 @@ class BlockLayout:
 
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.shape)) * DTYPE_BYTES[self.dtype]
+        # Plain ints, not np.prod: the daemon asks for this on every block it handles.
+        return self.layers * 2 * self.kv_heads * self.block_tokens * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def fingerprint(self) -> bytes:

@@ -160,21 +160,30 @@ class BatchHandler:
         if isinstance(verdict, Rejected):
             dead.append((stream, entry_id, verdict.reason, verdict.raw))
             return
-        self.stats.delivered += 1
-        self._log.debug("bus.deliver", stream=stream, id=entry_id, type=verdict.event.TYPE)
-        try:
-            await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=verdict))
-        except MalformedEvent as e:
-            # Well-formed on the wire but meaningless here (an unknown pool, say): retrying
-            # cannot help, so dead-letter it now with the handler's reason.
-            dead.append((stream, entry_id, e.reason, fields.get(FIELD)))
+        meaningless: str | None = None
+        failed = False
+        for i, envelope in enumerate(verdict):
+            self.stats.delivered += 1
+            self._log.debug("bus.deliver", stream=stream, id=entry_id, type=envelope.event.TYPE)
+            try:
+                await self._handler(Delivery(stream=stream, entry_id=entry_id, envelope=envelope))
+            except MalformedEvent as e:
+                # Well-formed on the wire but meaningless here (an unknown pool, say): retrying
+                # cannot help, so dead-letter it now with the handler's reason. The rest of a
+                # packed entry is still handled: its producer sent them together, not as one.
+                meaningless = meaningless or (e.reason if len(verdict) == 1 else f"packed event {i}: {e.reason}")
+            except Exception as e:
+                # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
+                # The events of a packed entry handled already are skipped then (bus/dedup.py).
+                if is_outage(e):
+                    lost.add((stream, entry_id))
+                self.stats.handler_errors += 1
+                self._log.error("bus.handler_error", stream=stream, id=entry_id, exc_info=True)
+                failed = True
+        if failed:
             return
-        except Exception as e:
-            # Left pending: XAUTOCLAIM hands it back after claim_idle_ms, up to max_deliveries.
-            if is_outage(e):
-                lost.add((stream, entry_id))
-            self.stats.handler_errors += 1
-            self._log.error("bus.handler_error", stream=stream, id=entry_id, exc_info=True)
+        if meaningless is not None:
+            dead.append((stream, entry_id, meaningless, fields.get(FIELD)))
             return
         done.append(entry_id)
 

@@ -1,8 +1,10 @@
 """msgpack codec for events. Decoding treats input as hostile: every field is type- and size-checked.
 
 Wire form: a msgpack map {"v": version, "t": type, "p": producer, "e": epoch, "s": seq, "b": body}
-where body maps field names to values. Validation is derived from the dataclass annotations, so a
-new event type needs no codec change.
+where body maps field names to values; or, for several events a producer sends to one stream at
+once, an array of such maps (a packed entry: one XADD, one read and one ack for the lot, each
+event keeping its own seq). Validation is derived from the dataclass annotations, so a new event
+type needs no codec change.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import enum
 import re
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -27,13 +30,25 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")  # used with fullmatch: "$" wou
 I64_MAX = (1 << 63) - 1
 
 
+MAX_PACKED = 4096  # events in one packed entry
+
+
 def encode(env: Envelope) -> bytes:
-    body = {f.name: _to_wire(getattr(env.event, f.name)) for f in dataclasses.fields(env.event)}
-    packed: bytes = msgpack.packb(
-        {"v": SCHEMA_VERSION, "t": env.event.TYPE, "p": env.producer, "e": env.epoch, "s": env.seq, "b": body},
-        use_bin_type=True,
-    )
+    packed: bytes = msgpack.packb(_wire(env), use_bin_type=True)
     return packed
+
+
+def encode_packed(envs: Sequence[Envelope]) -> bytes:
+    """Several envelopes as one entry's payload (1 to MAX_PACKED of them)."""
+    if not 1 <= len(envs) <= MAX_PACKED:
+        raise ValueError(f"a packed entry holds 1 to {MAX_PACKED} events, not {len(envs)}")
+    packed: bytes = msgpack.packb([_wire(e) for e in envs], use_bin_type=True)
+    return packed
+
+
+def _wire(env: Envelope) -> dict[str, object]:
+    body = {f.name: _to_wire(getattr(env.event, f.name)) for f in dataclasses.fields(env.event)}
+    return {"v": SCHEMA_VERSION, "t": env.event.TYPE, "p": env.producer, "e": env.epoch, "s": env.seq, "b": body}
 
 
 def _to_wire(value: object) -> object:
@@ -48,6 +63,27 @@ def _to_wire(value: object) -> object:
 
 def decode(data: object) -> Envelope:
     """bytes -> Envelope, or MalformedEvent with a reason fit for the dead-letter stream."""
+    return _envelope(_unpack(data))
+
+
+def decode_entry(data: object) -> list[Envelope]:
+    """An entry's payload -> its envelopes: one, or the events of a packed entry, in order. A
+    packed entry with one bad event is rejected whole (MalformedEvent names the event)."""
+    obj = _unpack(data)
+    if not isinstance(obj, list):
+        return [_envelope(obj)]
+    if not 1 <= len(obj) <= MAX_PACKED:
+        raise MalformedEvent(f"a packed entry must hold 1 to {MAX_PACKED} events, got {len(obj)}")
+    out = []
+    for i, one in enumerate(obj):
+        try:
+            out.append(_envelope(one))
+        except MalformedEvent as e:
+            raise MalformedEvent(f"packed event {i}: {e.reason}") from e
+    return out
+
+
+def _unpack(data: object) -> object:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MalformedEvent(f"payload must be bytes, got {type(data).__name__}")
     if len(data) > MAX_ENTRY_BYTES:
@@ -65,6 +101,10 @@ def decode(data: object) -> Envelope:
         )
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedEvent(f"not valid msgpack: {type(e).__name__}: {e}") from e
+    return obj
+
+
+def _envelope(obj: object) -> Envelope:
     if not isinstance(obj, dict):
         raise MalformedEvent("top level must be a map")
     if set(obj) != {"v", "t", "p", "e", "s", "b"}:

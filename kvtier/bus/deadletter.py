@@ -11,7 +11,7 @@ from typing import Any
 
 from redis.typing import EncodableT, FieldT
 
-from kvtier.bus.codec import decode
+from kvtier.bus.codec import decode_entry
 from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.publisher import FIELD, BusStats
 from kvtier.core.events import Envelope
@@ -33,8 +33,9 @@ class Rejected:
     raw: bytes | None
 
 
-def triage(fields: dict[bytes, bytes], delivered: int | None, max_deliveries: int) -> Envelope | Rejected:
-    """The envelope to hand to the handler, or why the entry is dead-lettered instead.
+def triage(fields: dict[bytes, bytes], delivered: int | None, max_deliveries: int) -> list[Envelope] | Rejected:
+    """The envelopes to hand to the handler (one, or a packed entry's), or why the entry is
+    dead-lettered instead.
 
     `delivered`: the entry's delivery count when it was delivered before (None: a fresh read).
     """
@@ -46,7 +47,7 @@ def triage(fields: dict[bytes, bytes], delivered: int | None, max_deliveries: in
     if len(fields) != 1:  # kvtier writes exactly one field: anything else is not ours
         return Rejected(REASON_EXTRA_FIELDS, raw)
     try:
-        return decode(raw)
+        return decode_entry(raw)
     except MalformedEvent as e:
         return Rejected(e.reason, raw)
 

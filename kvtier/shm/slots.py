@@ -29,14 +29,15 @@ import numpy.typing as npt
 import xxhash
 
 from kvtier.errors import SegmentError
+from kvtier.shm.onepass import checksum as checksum  # re-exported: every reader verifies with it
+from kvtier.shm.onepass import copy_hashed
 from kvtier.shm.segment import ShmSegment
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-    # Bytes to hash: any buffer, or a numpy array (numpy's stubs declare ndarray's __buffer__ only
-    # for Python >= 3.12, so for mypy an array is not a buffer on 3.11).
-    HashInput: TypeAlias = ReadableBuffer | npt.NDArray[Any]
+    from kvtier.shm.onepass import HashInput
+
     # A block's bytes to write: a bytes-like object or an array (its nbytes count).
     BlockData: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any]
 
@@ -87,10 +88,6 @@ class SlotHeader(NamedTuple):
     @property
     def parent_key(self) -> bytes | None:
         return None if self.parent == EMPTY_KEY else self.parent
-
-
-def checksum(data: HashInput) -> int:
-    return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))
 
 
 def checksum_parts(parts: Iterable[HashInput]) -> int:
@@ -260,10 +257,11 @@ class SlotTable:
         on the event loop, filled in a thread. Raises (slot left odd) if data is too big."""
         length = self._length(data)
         dst = self.payloads()[slot, :length]
-        np.copyto(dst, np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
-                  else data.reshape(-1).view(np.uint8))
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
         if csum is None:
-            csum = checksum(dst)
+            csum = copy_hashed(dst, src)  # one pass: each piece hashed while still in cache
+        else:
+            np.copyto(dst, src.reshape(-1).view(np.uint8))
         return self.end_write(slot, g, key, length, csum, flags, parent)
 
     # --- verified reads ------------------------------------------------------------------------
@@ -281,8 +279,16 @@ class SlotTable:
         return h.gen == gen and h.key == key
 
     def read_into(self, slot: int, key: bytes, dst: npt.NDArray[np.uint8], flags: int = Flags.VALID) -> int | None:
-        """Copy the block into `dst` (uint8, block_bytes) and verify it. Returns its checksum or None."""
-        return self.read_with(slot, key, lambda src: np.copyto(dst, src), lambda: checksum(dst), flags)
+        """Copy the block into `dst` (uint8, block_bytes) and verify it. Returns its checksum or None.
+        The copy and the hash of what landed are one pass (shm/onepass.py)."""
+        snap = self.begin_read(slot, key, flags)
+        if snap is None:
+            return None
+        gen, csum = snap
+        got = copy_hashed(dst, self.payloads()[slot, : self.block_bytes])
+        if not self.end_read(slot, gen, key) or got != csum:
+            return None
+        return csum
 
     def read_with(self, slot: int, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
                   digest: Callable[[], int], flags: int = Flags.VALID) -> int | None:

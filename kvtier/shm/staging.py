@@ -26,6 +26,7 @@ from kvtier.core.events import StagedBlock
 from kvtier.errors import SegmentError
 from kvtier.keys import BlockKey
 from kvtier.processes import pid_alive
+from kvtier.shm.onepass import pread_hashed
 from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import (
     EMPTY_KEY,
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from kvtier.logs import Log
 
 _FLAGS_OFF = 4
-# A staged block the daemon has not taken within this long is given up (see StagingWriter._free_slot).
+# A staged block the daemon has not taken within this long is given up (see StagingWriter._reclaimed_slot).
 STAGING_RECLAIM_S = 10.0
 # The client's own counters, in the staging segment's header page past the segment header: what
 # never reaches the daemon over the bus (blocks dropped while the bus is down, or staging full).
@@ -96,8 +97,11 @@ class StagingWriter:
         being written (odd gen), so no other put takes it. `gen` is that odd gen until
         `fill_slot` (or `fill_slot_with`) has written the block."""
         taken: list[StagedBlock] = []
+        free = iter(self._free_slots(len(keys)))
         for key in keys:
-            slot = self._free_slot()
+            slot = next(free, None)
+            if slot is None:
+                slot = self._reclaimed_slot()
             if slot is None:
                 break
             taken.append(StagedBlock(key, parent, slot, self.table.begin_write(slot)))
@@ -121,7 +125,7 @@ class StagingWriter:
 
     def staged(self, blocks: list[StagedBlock]) -> None:
         """Note when these filled (READY) blocks were staged: a slot the daemon has not released
-        STAGING_RECLAIM_S later may be taken back (see _free_slot)."""
+        STAGING_RECLAIM_S later may be taken back (see _reclaimed_slot)."""
         now = time.monotonic()
         for b in blocks:
             self._staged_at[b.slot] = now
@@ -144,17 +148,25 @@ class StagingWriter:
             else:
                 self.table.set_flags(b.slot, Flags.EMPTY)
 
-    def _free_slot(self) -> int | None:
+    def _free_slots(self, most: int) -> list[int]:
+        """Up to `most` free slots (EMPTY, even gen), from the cursor on: one vectorised scan of
+        the headers rather than a Python loop per slot."""
         table = self.table
-        for i in range(table.n):
-            slot = (self._cursor + i) % table.n
-            if table.flags(slot) == Flags.EMPTY and table.gen(slot) % 2 == 0:
-                self._cursor = slot + 1
-                return slot
-        # None free. A slot the daemon has not released for `reclaim_s` belongs to a put it
-        # will never store (dead-lettered, or lost with a Redis restart): take it back, or the
-        # client would stay full for ever. Safe even if the put turns up later: rewriting the
-        # slot changes its generation, so the daemon's read of the old put fails verification.
+        h = table.headers(0, table.n)
+        free = np.flatnonzero((h["flags"] == Flags.EMPTY) & (h["gen"] % 2 == 0))
+        if not free.size:
+            return []
+        start = int(np.searchsorted(free, self._cursor % table.n))
+        picked: list[int] = np.concatenate((free[start:], free[:start]))[:most].tolist()
+        self._cursor = picked[-1] + 1
+        return picked
+
+    def _reclaimed_slot(self) -> int | None:
+        """None free. A slot the daemon has not released for `reclaim_s` belongs to a put it
+        will never store (dead-lettered, or lost with a Redis restart): take it back, or the
+        client would stay full for ever. Safe even if the put turns up later: rewriting the
+        slot changes its generation, so the daemon's read of the old put fails verification."""
+        table = self.table
         now = time.monotonic()
         for slot, at in sorted(self._staged_at.items(), key=lambda kv: kv[1]):
             if now - at < self.reclaim_s:
@@ -227,11 +239,11 @@ class StagingFile:
         if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
                 or h.key != key or h.length != self.block_bytes or dst.nbytes != self.block_bytes):
             return None
-        got = os.preadv(self.fd, [dst.data], self._payload_off + self._stride * slot)
+        got, csum = pread_hashed(self.fd, dst, self._payload_off + self._stride * slot)
         again = self.header(slot)
         if got != self.block_bytes or again is None or again.gen != gen or again.key != key:
             return None
-        return h.checksum if checksum(dst) == h.checksum else None
+        return h.checksum if csum == h.checksum else None
 
     def release(self, slot: int, gen: int) -> bool:
         """Mark the slot EMPTY (free for its client), unless the client has already rewritten it."""

@@ -47,7 +47,7 @@ Transfer = Promote | Demote | Copy
 
 
 class FactPublisher(Protocol):
-    async def publish_many(self, items: Sequence[tuple[str, Event]]) -> list[bytes]: ...
+    async def publish_many(self, items: Sequence[tuple[str, Event]]) -> None: ...
 
 
 class TierWorker:

@@ -12,12 +12,14 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from kvtier.bus.codec import decode, encode
+from kvtier.bus import publisher
+from kvtier.bus.codec import decode, decode_entry, encode
 from kvtier.bus.connect import make_redis
 from kvtier.bus.consumer import Consumer, Delivery
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.bus.streams import StreamNames
 from kvtier.core.events import SCHEMA_VERSION, Access, Envelope, Tier
+from kvtier.errors import MalformedEvent
 from kvtier.keys import BlockKey
 from tests.support.redis_proc import RedisProcess
 from tests.support.waiting import async_wait_until
@@ -121,21 +123,59 @@ async def test_publish_consume_roundtrip(aredis) -> None:
 
 
 
-async def test_publish_many_uses_one_pipeline(aredis, monkeypatch) -> None:
+async def test_publish_many_packs_each_streams_events_into_one_entry(aredis, monkeypatch) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
-    assert await pub.publish_many([]) == []
+    await pub.publish_many([])
+    assert pub.stats.published == 0 and await aredis.exists(STREAM) == 0
     calls: list[dict] = []
     real = aredis.pipeline
     monkeypatch.setattr(aredis, "pipeline", lambda **kw: calls.append(kw) or real(**kw))
     cpu = NAMES.tier(Tier.CPU)
-    ids = await pub.publish_many([(STREAM, access("a")), (cpu, access("b")), (STREAM, access("c"))])
+    await pub.publish_many([(STREAM, access("a")), (cpu, access("b")), (STREAM, access("c"))])
     assert calls == [{"transaction": False}]
-    assert len(ids) == 3 and pub.stats.published == 3
-    on_client = await aredis.xrange(STREAM)
-    on_cpu = await aredis.xrange(cpu)
-    assert [i for i, _ in on_client] == [ids[0], ids[2]] and [i for i, _ in on_cpu] == [ids[1]]
-    seqs = sorted(decode(f[b"e"]).seq for _, f in on_client + on_cpu)
-    assert seqs == [1, 2, 3]
+    assert pub.stats.published == 2  # entries: one per stream
+    [(_, on_client)] = await aredis.xrange(STREAM)
+    [(_, on_cpu)] = await aredis.xrange(cpu)
+    packed = decode_entry(on_client[b"e"])
+    assert [(e.event.pool, e.seq) for e in packed] == [("a", 1), ("c", 3)]  # in order, each its own seq
+    assert decode(on_cpu[b"e"]).seq == 2  # a lone event is a plain entry
+    # A packed entry too big for one XADD is split, in order, none lost.
+    monkeypatch.setattr(publisher, "PACK_BYTES", 300)
+    await pub.publish_many([(cpu, access(f"p{i}")) for i in range(20)])
+    entries = (await aredis.xrange(cpu))[1:]
+    assert len(entries) > 1 and all(len(f[b"e"]) <= 300 for _, f in entries)
+    assert [e.event.pool for _, f in entries for e in decode_entry(f[b"e"])] == [f"p{i}" for i in range(20)]
+
+
+async def test_a_packed_entry_is_acked_once_every_event_is_handled(aredis) -> None:
+    """All of a packed entry's events reach the handler, in order; the entry is acked only when
+    every one of them succeeded, else it comes back whole; one the handler finds meaningless
+    sends the entry to the dead-letter stream, naming the event, after the others were handled."""
+    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
+    await pub.publish_many([(STREAM, access(p)) for p in ("a", "flaky", "c")])
+    failures = {"flaky": 1}
+
+    async def handler(d: Delivery) -> None:
+        pool = d.envelope.event.pool
+        rec.append(pool)
+        if failures.get(pool, 0) > 0:
+            failures[pool] -= 1
+            raise RuntimeError("once")
+        if pool == "nonsense":
+            raise MalformedEvent("no such pool")
+
+    rec: list[str] = []
+    consumer = make_consumer(aredis, handler, claim_idle_ms=50)
+    async with running(consumer):
+        await async_wait_until(lambda: rec.count("flaky") == 2, message="the entry redelivered")
+        await async_wait_until(lambda: _zero(aredis), message="acked after the second delivery")
+        assert rec == ["a", "flaky", "c", "a", "flaky", "c"] and consumer.stats.acked == 1
+        await pub.publish_many([(STREAM, access(p)) for p in ("x", "nonsense", "y")])
+        await async_wait_until(lambda: consumer.stats.dead_lettered == 1, message="dead-lettered")
+    assert rec[-3:] == ["x", "nonsense", "y"]
+    [dead] = await dlq_entries(aredis)
+    assert dead[b"reason"] == b"packed event 1: no such pool"
+    assert [e.event.pool for e in decode_entry(dead[b"e"])] == ["x", "nonsense", "y"]
 
 
 async def test_malformed_entries_are_dead_lettered_without_blocking_good_ones(aredis) -> None:
@@ -309,7 +349,8 @@ async def test_stop_finishes_and_acks_current_batch(aredis) -> None:
 
     consumer = make_consumer(aredis, slow, read_count=10)
     task = asyncio.create_task(consumer.run())
-    await pub.publish_many([(STREAM, access(f"p{i}")) for i in range(3)])
+    for i in range(3):  # three entries (publish_many would pack them into one)
+        await pub.publish(STREAM, access(f"p{i}"))
     await async_wait_until(lambda: len(seen) == 1, message="batch in progress")
     consumer.stop()
     gate.set()
@@ -329,7 +370,8 @@ async def test_cancel_propagates_and_acks_finished_work(aredis) -> None:
 
     consumer = make_consumer(aredis, stuck_on_second)
     task = asyncio.create_task(consumer.run())
-    await pub.publish_many([(STREAM, access(f"p{i}")) for i in range(2)])
+    for i in range(2):  # two entries (publish_many would pack them into one)
+        await pub.publish(STREAM, access(f"p{i}"))
     await async_wait_until(lambda: len(seen) == 2, message="second handler running")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.bus.codec import decode
+from kvtier.bus.codec import decode_entry
 from kvtier.bus.publisher import FIELD
 from kvtier.client import Client
 from kvtier.core.events import Tier
@@ -242,7 +242,7 @@ async def test_a_prefetch_never_overtakes_the_read_reports_before_it(daemon_fact
         out = torch.empty((4, *SHAPE), dtype=torch.float16)
         assert await client.get("t", keys, out) == 4
         await client.prefetch("t", client.block_keys("t", list(range(64)), salt=b"next"))
-        sent = [decode(fields[FIELD]).event for _id, fields in r.xrange(client.desc.streams.client)]
+        sent = [e.event for _id, fields in r.xrange(client.desc.streams.client) for e in decode_entry(fields[FIELD])]
     kinds = [type(e).__name__ for e in sent]
     assert kinds[-2:] == ["Access", "Prefetch"], kinds
     assert sent[-2].keys == tuple(keys)

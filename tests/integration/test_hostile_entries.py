@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.bus.codec import MAX_ENTRY_BYTES, MAX_ITEMS, MAX_STR, NAME_RE, decode, encode
+from kvtier.bus.codec import MAX_ENTRY_BYTES, MAX_ITEMS, MAX_STR, NAME_RE, decode_entry, encode
 from kvtier.bus.connect import make_redis
 from kvtier.bus.consumer import Consumer, Delivery
 from kvtier.bus.deadletter import REASON_EXTRA_FIELDS, REASON_MISSING_FIELD
@@ -158,7 +158,7 @@ def envelope_mutation(draw) -> bytes:
             if target is None:
                 body["pool"] = draw(BAD_NAME)
             else:
-                body[target] = draw(st.sampled_from([3, -1, 255, 2**40]))
+                body[target] = draw(st.sampled_from([len(Tier), -1, 255, 2**40]))
         elif how == "bad_staged":
             body["blocks"] = draw(st.sampled_from([[[bytes(K), None, 0]], [[bytes(K), None, 0, 2, 9]], [bytes(K)],
                                                    [[bytes(K), None, -1, 2]]]))
@@ -171,13 +171,25 @@ def envelope_mutation(draw) -> bytes:
     return pack(env)
 
 
+JUNK = st.recursive(st.none() | st.booleans() | INT | st.text(max_size=8) | st.binary(max_size=8),
+                   lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=4), kids, max_size=4),
+                   max_leaves=12)
+
+
+@st.composite
+def packed_with_one_bad(draw) -> bytes:
+    """A packed entry (publisher.py): real envelopes, and somewhere among them one that is not."""
+    good = draw(st.lists(st.sampled_from(WIRE), min_size=0, max_size=4))
+    bad = draw(st.one_of(JUNK, st.sampled_from([[], *[{**w, "v": SCHEMA_VERSION + 1} for w in WIRE]])))
+    return pack([*good[:len(good) // 2], bad, *good[len(good) // 2:]] if bad != [] else [])
+
+
 PAYLOAD = st.one_of(
     envelope_mutation(),
     envelope_mutation(),
+    packed_with_one_bad(),
     st.binary(max_size=120),  # junk
-    st.recursive(st.none() | st.booleans() | INT | st.text(max_size=8) | st.binary(max_size=8),
-                 lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=4), kids, max_size=4),
-                 max_leaves=12).map(pack),  # valid msgpack, not an envelope
+    JUNK.map(pack),  # valid msgpack, not an envelope
     st.just(b""),  # an empty payload
     st.sampled_from([*LYING_LENGTHS, TOO_MANY_KEYS, OVERSIZED]),  # the big two: rarely, they cost MBs
 )
@@ -202,7 +214,7 @@ def expected_reason(fields: dict[bytes, bytes]) -> str:
     if len(fields) != 1:
         return REASON_EXTRA_FIELDS
     try:
-        env = decode(fields[b"e"])
+        env = decode_entry(fields[b"e"])
     except MalformedEvent as e:
         assert e.reason, "a reason fit for the dead-letter stream"
         return e.reason

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvtier.bus.codec import decode
+from kvtier.bus.codec import decode_entry
 from kvtier.client import Client
 from kvtier.core.events import Cause, Removed, Tier
 from kvtier.store.redis_blocks import redis_block_key
@@ -65,8 +65,7 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     async with await Client.connect(d.runtime_dir) as client:
         # 3. Every block that left a local tier is still local or in Redis (no silent loss).
         left = set()
-        for _id, fields in r.xrange(facts_stream):
-            ev = decode(fields[b"e"]).event
+        for ev in (e.event for _id, fields in r.xrange(facts_stream) for e in decode_entry(fields[b"e"])):
             if isinstance(ev, Removed) and ev.tier in (Tier.GPU, Tier.CPU) and ev.cause == Cause.EVICT:
                 left.add(ev.key)
         assert left, "the soak must have pushed blocks out of the local tiers"

@@ -1,5 +1,5 @@
 """A client takes back a staging slot the daemon never released (kvtier/shm/staging.py,
-`StagingWriter._free_slot`): once `reclaim_s` (STAGING_RECLAIM_S, 10 s, in production) have
+`StagingWriter._reclaimed_slot`): once `reclaim_s` (STAGING_RECLAIM_S, 10 s, in production) have
 passed since the block was staged, a full staging segment hands out its oldest unreleased slot
 again, and the daemon's late read of the old put fails verification. Real shared memory: the
 client's StagingWriter and the daemon's StagingFile (pread/pwrite on the same file), no mocks.
