@@ -14,7 +14,8 @@ import enum
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -121,82 +122,111 @@ def _envelope(obj: object) -> Envelope:
     if not isinstance(body, dict):
         raise MalformedEvent("body must be a map")
     fields = _SCHEMAS[cls.TYPE]
-    if set(body) != set(fields):
-        missing = sorted(set(fields) - set(body))
-        extra = sorted(map(str, set(body) - set(fields)))
+    names = _FIELD_NAMES[cls.TYPE]
+    if body.keys() != names:
+        missing = sorted(names - set(body))
+        extra = sorted(map(str, set(body) - names))
         raise MalformedEvent(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
     # Each value is checked against its field's annotation, so the call below is well typed.
-    kwargs: dict[str, Any] = {name: _check(f"{cls.TYPE}.{name}", hint, body[name]) for name, hint in fields.items()}
+    kwargs: dict[str, Any] = {name: check(where, body[name]) for name, where, check in fields}
     event: Event = cls(**kwargs)
     return Envelope(event=event, producer=producer, epoch=epoch, seq=seq)
 
 
-def _schema(cls: type) -> dict[str, object]:
+Check = Callable[[str, object], object]  # check(where, value): the value as the field holds it, or MalformedEvent
+
+
+def _schema(type_name: str, cls: type) -> tuple[tuple[str, str, Check], ...]:
+    """(field name, where it is named in errors, its check) for each field of an event type. The
+    checks are built once from the annotations, so decoding does no type dispatch per value."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return tuple((f.name, f"{type_name}.{f.name}", _checker(f.name, hints[f.name])) for f in dataclasses.fields(cls))
 
 
-_SCHEMAS = {name: _schema(cls) for name, cls in EVENT_TYPES.items()}  # field name -> annotation, per type
-
-
-def _check(where: str, hint: object, value: object) -> object:
+def _checker(name: str, hint: object) -> Check:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if hint is BlockKey or hint is bytes:
-        return _key(where, value)
+        return _key
     if hint is TokenIds:
-        if not isinstance(value, bytes) or len(value) % 4:
-            got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
-            raise MalformedEvent(f"{where}: expected u32 token ids (a multiple of 4 bytes), got {got}")
-        return TokenIds(value)
+        return _tokens
     if hint is str:
-        if where.endswith(".pool") or where.endswith(".segment"):
-            return _name(where, value)
-        if not isinstance(value, str) or len(value) > MAX_STR:
-            raise MalformedEvent(f"{where}: expected a string of at most {MAX_STR} chars")
-        return value
+        return _name if name in ("pool", "segment") else _str
     if hint is int:
-        return _int(where, value)
+        return _int
     if hint is Tier:
-        if type(value) is not int or value not in Tier._value2member_map_:
-            raise MalformedEvent(f"{where}: unknown tier {value!r}")
-        return Tier(value)
+        return _tier
     if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
-        # Type first: an unhashable value (a list, a map) must not reach the dict lookup.
-        if type(value) is not str or value not in hint._value2member_map_:
-            raise MalformedEvent(f"{where}: expected one of {', '.join(hint)}, got {str(value)[:80]!r}")
-        return hint(value)
+        return partial(_str_enum, hint)
     if hint is StagedBlock:
-        if not isinstance(value, list) or len(value) != 4:
-            raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen]")
-        k, p, slot, gen = value
-        return StagedBlock(
-            key=_key(where + ".key", k),
-            parent=None if p is None else _key(where + ".parent", p),
-            slot=_uint(where + ".slot", slot),
-            gen=_uint(where + ".gen", gen),
-        )
+        return _staged
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        arms = [a for a in args if a is not type(None)]
-        if len(arms) == 1:
-            return _check(where, arms[0], value)
-        # Several arms (`Reason | Failure`): the first that accepts the value; their values are disjoint.
-        for arm in arms:
-            try:
-                return _check(where, arm, value)
-            except MalformedEvent:
-                continue
-        names = ", ".join(v for arm in arms if isinstance(arm, type) and issubclass(arm, enum.StrEnum) for v in arm)
-        raise MalformedEvent(f"{where}: expected one of {names}, got {str(value)[:80]!r}")
+        arms = [_checker(name, a) for a in args if a is not type(None)]
+        names = ", ".join(v for a in args if isinstance(a, type) and issubclass(a, enum.StrEnum) for v in a)
+        return partial(_union, type(None) in args, arms, names)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        if not isinstance(value, list):
-            raise MalformedEvent(f"{where}: expected a list")
-        if len(value) > MAX_ITEMS:
-            raise MalformedEvent(f"{where}: more than {MAX_ITEMS} items")
-        return tuple(_check(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
-    raise MalformedEvent(f"{where}: no validator for {hint!r}")  # a programming error, kept loud
+        return partial(_tuple, _checker(name, args[0]))
+    raise TypeError(f"no validator for {name}: {hint!r}")  # a programming error, caught at import
+
+
+def _tokens(where: str, value: object) -> TokenIds:
+    if not isinstance(value, bytes) or len(value) % 4:
+        got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        raise MalformedEvent(f"{where}: expected u32 token ids (a multiple of 4 bytes), got {got}")
+    return TokenIds(value)
+
+
+def _str(where: str, value: object) -> str:
+    if not isinstance(value, str) or len(value) > MAX_STR:
+        raise MalformedEvent(f"{where}: expected a string of at most {MAX_STR} chars")
+    return value
+
+
+def _tier(where: str, value: object) -> Tier:
+    if type(value) is not int or value not in Tier._value2member_map_:
+        raise MalformedEvent(f"{where}: unknown tier {value!r}")
+    return Tier(value)
+
+
+def _str_enum(hint: type[enum.StrEnum], where: str, value: object) -> enum.StrEnum:
+    # Type first: an unhashable value (a list, a map) must not reach the dict lookup.
+    if type(value) is not str or value not in hint._value2member_map_:
+        raise MalformedEvent(f"{where}: expected one of {', '.join(hint)}, got {str(value)[:80]!r}")
+    return hint(value)
+
+
+def _staged(where: str, value: object) -> StagedBlock:
+    if not isinstance(value, list) or len(value) != 4:
+        raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen]")
+    k, p, slot, gen = value
+    return StagedBlock(
+        key=_key(where + ".key", k),
+        parent=None if p is None else _key(where + ".parent", p),
+        slot=_uint(where + ".slot", slot),
+        gen=_uint(where + ".gen", gen),
+    )
+
+
+def _union(optional: bool, arms: list[Check], names: str, where: str, value: object) -> object:
+    if value is None and optional:
+        return None
+    if len(arms) == 1:
+        return arms[0](where, value)
+    # Several arms (`Reason | Failure`): the first that accepts the value; their values are disjoint.
+    for arm in arms:
+        try:
+            return arm(where, value)
+        except MalformedEvent:
+            continue
+    raise MalformedEvent(f"{where}: expected one of {names}, got {str(value)[:80]!r}")
+
+
+def _tuple(item: Check, where: str, value: object) -> tuple[object, ...]:
+    if not isinstance(value, list):
+        raise MalformedEvent(f"{where}: expected a list")
+    if len(value) > MAX_ITEMS:
+        raise MalformedEvent(f"{where}: more than {MAX_ITEMS} items")
+    return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 def _key(where: str, value: object) -> BlockKey:
@@ -223,3 +253,7 @@ def _uint(where: str, value: object) -> int:
     if v < 0:
         raise MalformedEvent(f"{where}: must be >= 0")
     return v
+
+
+_SCHEMAS = {name: _schema(name, cls) for name, cls in EVENT_TYPES.items()}  # (field, where, check) per type
+_FIELD_NAMES = {name: frozenset(f[0] for f in fields) for name, fields in _SCHEMAS.items()}
