@@ -9,8 +9,9 @@ connection counts (kvtier/tools/bench_redis.py); Redis is reached over TCP on lo
 
 | row | figure | bound | target |
 |---|---|---|---|
-| get | GB/s, cpu arena -> caller tensor (client.get) | numpy memcpy over the same bytes | >= 0.7x |
-| put | GB/s, client.put until visible in the cpu tier | numpy memcpy | >= 0.4x |
+| get | GB/s, cpu arena -> caller tensor (client.get) | numpy memcpy over the same bytes | >= 0.8x |
+| put | GB/s, client.put until visible in the cpu tier | numpy memcpy | >= 0.5x |
+| get / put, 64 KiB and 256 KiB blocks | blocks/s and GB/s, as above | numpy memcpy of the same bytes | get >= 0.5x, put >= 0.3x |
 | redis put / get | GB/s, the redis tier's write, and its verified read | best raw SETs / GETs (grid) | >= 0.8x |
 | cross-node | GB/s, node B reads node A's cold 32-block chain through from Redis | raw GET + copy | >= 0.9x |
 | bus | events/s published until the daemon applied them | raw pipelined XADD + XREADGROUP/XACK | >= 0.5x |
@@ -32,7 +33,7 @@ import uvloop
 from kvtier.tools.bench_arena import arena_rows, arena_toml, header_scan_row
 from kvtier.tools.bench_basics import LLAMA, memcpy_gbps, say, sizes
 from kvtier.tools.bench_cross_node import CHAIN, cross_node_row
-from kvtier.tools.bench_daemon import daemon_rows, idle_row
+from kvtier.tools.bench_daemon import daemon_rows, idle_row, small_block_rows
 from kvtier.tools.bench_directory import directory_row
 from kvtier.tools.bench_env import Env
 from kvtier.tools.bench_redis import redis_row
@@ -41,6 +42,7 @@ from kvtier.tools.bench_where import where_row
 
 # Imported from here by the CLI, benchmarks/gpu_check.py (LLAMA) and tests/unit/test_operator_text.py.
 __all__ = ["LLAMA", "idle_note", "run_arena_bench", "run_bench"]
+SMALL_BLOCKS_KIB = (64, 256)  # engines with small models or 16-token blocks hand over blocks this size
 
 
 def run_arena(args, url: str, workdir: Path, out: dict) -> None:
@@ -55,6 +57,23 @@ def run_arena(args, url: str, workdir: Path, out: dict) -> None:
     slots = 1 << 16 if args.quick else 1 << 20
     say(f"warm restart: scanning {slots:,} slot headers")
     header_scan_row(slots, out)
+
+
+def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> None:
+    """get and put of blocks of `kib` KiB (Llama-3-8B's heads with fewer layers), 256 MiB of them
+    (64 blocks with --quick), on a daemon of their own, against memcpy of the same bytes."""
+    layout = dict(LLAMA, layers=kib * 32 // 2048)
+    bb = kib << 10
+    n = 64 if quick else (256 << 20) // bb
+    say(f"get and put of {n} blocks of {kib} KiB")
+    (workdir / f"small{kib}").mkdir()
+    env = Env(layout, int(n / 0.85) + 16, workdir / f"small{kib}")
+    try:
+        row = asyncio.run(small_block_rows(env, n, repeat))
+    finally:
+        env.close()
+    row["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
+    out.setdefault("small_blocks", {})[str(kib)] = row
 
 
 def run_arena_bench(args) -> int:
@@ -110,6 +129,8 @@ def run_bench(args) -> int:
         try:
             say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
             asyncio.run(daemon_rows(env, n, repeat, out))
+            for kib in SMALL_BLOCKS_KIB:
+                small_rows(kib, quick, repeat, Path(tmp), out)
             say("redis tier against raw redis-py pipelines")
             # On uvloop, the daemon's loop, where the tier's pipelines run. Python 3.11's own loop
             # joins a pipeline's buffers into one bytes before the socket: a full extra copy.
@@ -130,4 +151,5 @@ def run_bench(args) -> int:
     out["rows"] = table(out)
     return finish(out, render(out["rows"]), args.json,
                   all(out[k].get("correct", True)
-                      for k in ("get", "put", "redis", "cross_node", "where", "header_scan") if k in out))
+                      for k in ("get", "put", "redis", "cross_node", "where", "header_scan") if k in out)
+                  and all(r[op]["correct"] for r in out.get("small_blocks", {}).values() for op in ("get", "put")))

@@ -16,47 +16,52 @@ from kvtier.tools.bench_basics import GB, best_time
 from kvtier.tools.bench_env import Env
 
 
-async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
+async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[dict, dict]:
+    """put (sustained, in chains of 64 blocks, until every block is visible in the cpu tier) and
+    get (all blocks into one caller tensor, best of `repeat`) of n blocks of the client's pool "b".
+    The pool is sized so that none is shed: every block read must be exactly the block put."""
     import torch
 
+    p = client.pool("b")
+    bb = p.block_bytes
+    data = np.random.default_rng(1).integers(0, 255, (n, bb), dtype=np.uint8)
+    kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
+    keys = client.block_keys("b", list(range(n * p.layout.block_tokens)), salt=salt)
+    # One block first, untimed: the client's staging segment is created and paged in then.
+    warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=salt + b"-warm")
+    await client.put("b", warm, kv[:1])
+    if not await client.wait_resident("b", warm, timeout=60):
+        raise RuntimeError("put: the warm-up block did not become visible")
+    t0 = time.perf_counter()
+    for i in range(0, n, 64):
+        res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
+        while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
+            await asyncio.sleep(0.001)
+            j = i + res.staged
+            res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
+    if not await client.wait_resident("b", keys, timeout=120):
+        raise RuntimeError("put: blocks did not become visible")
+    put_s = time.perf_counter() - t0
+    dst = torch.empty_like(kv)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        got_n = await client.get("b", keys, dst)
+        best = min(best, time.perf_counter() - t0)
+    ok = bool(np.array_equal(dst.view(torch.uint8).reshape(n, bb).numpy()[:got_n], data[:got_n]))
+    put = {"gbps": n * bb / put_s / GB, "blocks_per_s": n / put_s, "correct": ok}
+    get = {"gbps": got_n * bb / best / GB, "blocks_per_s": got_n / best, "correct": ok, "blocks_read": got_n,
+           "all_resident": got_n == n}
+    return put, get
+
+
+async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
     from kvtier.client import Client
 
     async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
-        p = client.pool("b")
-        bb = p.block_bytes
+        out["put"], out["get"] = await put_get(client, n, repeat)
         rng = np.random.default_rng(1)
-        data = rng.integers(0, 255, (n, bb), dtype=np.uint8)
-        kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
-        keys = client.block_keys("b", list(range(n * p.layout.block_tokens)), salt=b"bench")
-        # put: sustained, in chains of 64 blocks, until every block is visible in the cpu tier.
-        # One block first, untimed: the client's staging segment is created and paged in then.
-        warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=b"bench-warm")
-        await client.put("b", warm, kv[:1])
-        if not await client.wait_resident("b", warm, timeout=60):
-            raise RuntimeError("put: the warm-up block did not become visible")
-        t0 = time.perf_counter()
-        for i in range(0, n, 64):
-            res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
-            while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
-                await asyncio.sleep(0.001)
-                j = i + res.staged
-                res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
-        if not await client.wait_resident("b", keys, timeout=120):
-            raise RuntimeError("put: blocks did not become visible")
-        put_s = time.perf_counter() - t0
-        out["put"] = {"gbps": n * bb / put_s / GB}
-        # get: all blocks into one caller tensor
-        dst = torch.empty_like(kv)
-        best = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            got_n = await client.get("b", keys, dst)
-            best = min(best, time.perf_counter() - t0)
-        # Every block read must be exactly the block put (a shorter prefix would be a miss, and
-        # the tier is sized so that none is shed: got == n is checked too).
-        ok = bool(np.array_equal(dst.view(torch.uint8).reshape(n, bb).numpy()[:got_n], data[:got_n]))
-        out["get"] = {"gbps": got_n * bb / best / GB, "correct": ok, "blocks_read": got_n, "all_resident": got_n == n}
-        out["put"]["correct"] = ok
+        keys = client.block_keys("b", list(range(client.pool("b").layout.block_tokens)), salt=b"bench")
         # lookup: a 32,768-token prompt (2,048 blocks of 16), hashing included
         tokens = rng.integers(0, 128_000, 32_768).tolist()
         t_lookup = best_time(lambda: client.lookup("b", client.block_keys("b", tokens)), repeat * 3)
@@ -119,3 +124,13 @@ def idle_row(env: Env, seconds: float, out: dict) -> None:
     status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
     kb = lambda k: int(status.get(k, "0 kB").split()[0])  # noqa: E731
     out["idle"] = {"cpu_pct": pct, "rss_beyond_arenas_mb": (kb("RssAnon") + kb("RssFile")) / 1024}
+
+
+async def small_block_rows(env: Env, n: int, repeat: int) -> dict:
+    """put and get of n small blocks (the pool's layout sets their size): blocks per second, where
+    per-block work shows rather than bandwidth."""
+    from kvtier.client import Client
+
+    async with await Client.connect(env.rdir, staging_blocks=256) as client:
+        put, get = await put_get(client, n, repeat)
+    return {"put": put, "get": get, "block_bytes": client.pool("b").block_bytes}
