@@ -50,7 +50,7 @@ from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads
 from kvtier.runtime import STATS, write_json_atomic
-from kvtier.shm.staging import StagingSegments
+from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 

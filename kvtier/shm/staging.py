@@ -1,19 +1,13 @@
-"""Staging segments, both ends: the client's writer, and the daemon's reader and reaper.
+"""Staging segments, the client's end: StagingWriter, and the layout both ends share.
 
 A client writes new blocks into its own staging segment (StagingWriter) and names it in a Put
-event. The daemon reads them (StagingFile) and releases each slot once it is done with it. It
-never maps the segment: the client owns the file and could shrink it under a mapping, and touching a
-mapped page past the end of the file kills the reader with SIGBUS. Through pread/pwrite a
-shrunken file is just a short read, which is a miss. The bytes are untrusted either way: the
-worker verifies key, length and checksum under the seqlock before storing anything.
+event. The daemon reads them and releases each slot once it is done with it (shm/staging_files.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
-import stat
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -23,30 +17,21 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.core.events import StagedBlock
-from kvtier.errors import SegmentError
 from kvtier.keys import BlockKey
-from kvtier.processes import pid_alive
-from kvtier.shm.onepass import pread_hashed
-from kvtier.shm.segment import SHM_DIR, ShmSegment
+from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import (
     EMPTY_KEY,
-    HEADER_OFF,
-    SLOT_HDR,
-    SLOT_HEADER,
-    SLOT_MAGIC,
     Flags,
     Kind,
-    SlotHeader,
     SlotTable,
     checksum,
-    parse_segment_header,
     segment_bytes,
 )
 
 if TYPE_CHECKING:
-    from kvtier.logs import Log
+    pass
 
-_FLAGS_OFF = 4
+FLAGS_OFF = 4
 # A staged block the daemon has not taken within this long is given up (see StagingWriter._reclaimed_slot).
 STAGING_RECLAIM_S = 10.0
 # The client's own counters, in the staging segment's header page past the segment header: what
@@ -56,7 +41,7 @@ STAGING_RECLAIM_S = 10.0
 # leaves its segment for the daemon to count and unlink (StagingSegments.collect).
 CLIENT_COUNTS = struct.Struct("<QQQ")  # dropped, collected, closed
 CLIENT_COUNTS_OFF = 2048
-_COLLECTED_OFF = CLIENT_COUNTS_OFF + 8
+COLLECTED_OFF = CLIENT_COUNTS_OFF + 8
 # A daemon adds at most this much per segment and collection: the counts are a client's word.
 MAX_COUNT_STEP = 1 << 32
 
@@ -194,150 +179,3 @@ class StagingWriter:
         else:
             self.table.close()
             self.seg.unlink()
-
-
-class StagingFile:
-    """The daemon's handle on one client's staging segment, opened read-write as a plain file
-    (never mapped): it reads staged blocks and releases their slots."""
-
-    def __init__(self, name: str, fd: int, n: int, block_bytes: int, stride: int, payload_off: int,
-                 fingerprint: bytes = b"") -> None:
-        self.name = name
-        self.fd = fd
-        self.n = n
-        self.block_bytes = block_bytes
-        self.fingerprint = fingerprint  # the pool layout the client staged for
-        self._stride = stride
-        self._payload_off = payload_off
-
-    @classmethod
-    def open(cls, name: str) -> StagingFile:
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise SegmentError(f"cannot open staging segment {name}: {e}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o002:
-                raise SegmentError(f"staging segment {name} is not a private regular file")
-            head = os.pread(fd, HEADER_OFF, 0)
-            n, bb, stride, payload_off, fp = parse_segment_header(head, st.st_size, name, Kind.STAGING, None, None)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(name, fd, n, bb, stride, payload_off, fp)
-
-    def header(self, slot: int) -> SlotHeader | None:
-        if not 0 <= slot < self.n:
-            return None
-        raw = os.pread(self.fd, SLOT_HDR, HEADER_OFF + SLOT_HDR * slot)
-        return SlotHeader(*SLOT_HEADER.unpack_from(raw, 0)) if len(raw) == SLOT_HDR else None
-
-    def read_into(self, slot: int, key: bytes, gen: int, dst: npt.NDArray[np.uint8]) -> int | None:
-        """Copy the block the client staged as (key, gen) into dst and verify it; checksum or None."""
-        h = self.header(slot)
-        if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
-                or h.key != key or h.length != self.block_bytes or dst.nbytes != self.block_bytes):
-            return None
-        got, csum = pread_hashed(self.fd, dst, self._payload_off + self._stride * slot)
-        again = self.header(slot)
-        if got != self.block_bytes or again is None or again.gen != gen or again.key != key:
-            return None
-        return h.checksum if csum == h.checksum else None
-
-    def release(self, slot: int, gen: int) -> bool:
-        """Mark the slot EMPTY (free for its client), unless the client has already rewritten it."""
-        h = self.header(slot)
-        if h is None or h.gen != gen:
-            return False
-        os.pwrite(self.fd, Flags.EMPTY.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + _FLAGS_OFF)
-        return True
-
-    def collect_drops(self) -> tuple[int, bool]:
-        """The client's drops not counted yet (marked counted now), and whether the client has
-        closed the segment. Untrusted: a count that went back counts nothing, and a step is capped."""
-        raw = os.pread(self.fd, CLIENT_COUNTS.size, CLIENT_COUNTS_OFF)
-        if len(raw) != CLIENT_COUNTS.size:
-            return 0, False
-        dropped, collected, closed = CLIENT_COUNTS.unpack(raw)
-        new = min(max(0, dropped - collected), MAX_COUNT_STEP)
-        if new:
-            os.pwrite(self.fd, (collected + new).to_bytes(8, "little"), _COLLECTED_OFF)
-        return new, closed == 1
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-class StagingSegments:
-    """The daemon's staging segments of this node by name: opened and validated on first use,
-    slots released, and the segments of dead clients reaped."""
-
-    def __init__(self, node: str, log: Log) -> None:
-        self._prefix = staging_prefix(node)
-        self._name_re = re.compile(re.escape(self._prefix) + r"[0-9]+\.[0-9a-f]{8,32}")
-        self._open: dict[str, StagingFile] = {}
-        self.log = log
-
-    def get(self, name: str, block_bytes: int) -> StagingFile:
-        """The staging segment `name`, opened and validated; SegmentError if it cannot be used."""
-        f = self._open.get(name)
-        if f is None:
-            if not self._name_re.fullmatch(name):
-                raise SegmentError(f"{name!r} is not a staging segment of this node")
-            f = self._open[name] = StagingFile.open(name)
-        if f.block_bytes != block_bytes:
-            raise SegmentError(f"staging {name} holds blocks of {f.block_bytes} bytes, pool needs {block_bytes}")
-        return f
-
-    def release(self, name: str, block_bytes: int, slot: int, gen: int) -> bool:
-        try:
-            return self.get(name, block_bytes).release(slot, gen)
-        except (SegmentError, OSError) as e:
-            self.log.warning("staging.release_failed", segment=name, slot=slot, error=str(e))
-            return False
-
-    def reap(self, on_drops: Callable[[bytes, int], None] | None = None) -> int:
-        """Count what each client dropped (`on_drops(fingerprint, blocks)`), unlink staging
-        segments whose client died or closed them with drops to count, and forget those their
-        client removed."""
-        try:
-            present = {p.name for p in SHM_DIR.iterdir() if self._name_re.fullmatch(p.name)}
-        except OSError:
-            return 0
-        for name in [n for n in self._open if n not in present]:  # the client closed it
-            self._open.pop(name).close()
-        reaped = 0
-        for name in present:
-            pid = int(name[len(self._prefix):].split(".")[0])
-            closed = self._collect(name, on_drops)
-            if pid_alive(pid) and not closed:
-                continue
-            f = self._open.pop(name, None)
-            if f is not None:
-                f.close()
-            try:
-                (SHM_DIR / name).unlink()
-            except FileNotFoundError:
-                continue
-            reaped += 1
-            self.log.info("staging.reaped", segment=name, pid=pid, why="closed" if closed else "client gone")
-        return reaped
-
-    def _collect(self, name: str, on_drops: Callable[[bytes, int], None] | None) -> bool:
-        """Count a segment's new drops; whether its client closed it. A segment that cannot be
-        opened or validated is left alone (it may be half created)."""
-        try:
-            f = self._open.get(name) or StagingFile.open(name)
-            self._open[name] = f
-            n, closed = f.collect_drops()
-        except (SegmentError, OSError):
-            return False
-        if n and on_drops is not None:
-            on_drops(f.fingerprint, n)
-        return closed
-
-    def close(self) -> None:
-        for f in self._open.values():
-            f.close()
-        self._open.clear()

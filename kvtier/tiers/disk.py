@@ -14,7 +14,6 @@ forgotten, reported removed, and the tiers above shed past it into Redis.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,9 +86,6 @@ class DiskTier:
         except DiskFault as err:
             self._failed(err)
             raise
-
-    def fill_from(self, e: Entry, read: Callable[[np.ndarray], int | None]) -> int | None:
-        raise TypeError("the disk tier takes no stores from staging: puts land in the memory tiers")
 
     def publish(self, e: Entry) -> None:
         if not self.retired:  # a write that finished after the tier was retired stays unlisted

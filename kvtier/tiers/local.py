@@ -7,7 +7,6 @@ the client directory. Every write is seqlocked; every read is verified.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -82,7 +81,7 @@ class LocalTier:
 
         return torch.empty_like(self.device_payload[0])
 
-    # The slot side of a write, around the Placement's reserve and commit: `fill` (or `fill_from`)
+    # The slot side of a write, around the Placement's reserve and commit: `fill` (or `begin_fill` and `end_fill`)
     # touches only the reserved slot, so it may run off the event loop; `publish` lists the
     # committed block in the client directory, `discard` empties the slot of a failed write.
 
@@ -105,20 +104,18 @@ class LocalTier:
             self.device_payload[e.slot].copy_(scratch)
             self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
 
-    def fill_from(self, e: Entry, read: Callable[[np.ndarray], int | None]) -> int | None:
-        """Fill the reserved slot with what `read(payload)` copies straight into it (a staging
-        pread into the arena: one copy fewer than going through a buffer). `read` returns the
-        checksum it verified on those bytes, or None; then the slot is left empty."""
-        g = self.table.begin_write(e.slot)
-        try:
-            csum = read(self.table.payload(e.slot))
-        except BaseException:
-            self.table.invalidate(e.slot)
-            raise
+    def begin_fill(self, e: Entry) -> tuple[int, np.ndarray]:
+        """Start filling the reserved slot in place (a staging pread straight into the arena: one
+        copy fewer than through a buffer): its odd gen, and its payload to copy into. A batch
+        verifies its sources once for all its blocks before `end_fill` (tiers/staged.py)."""
+        return self.table.begin_write(e.slot), self.table.payload(e.slot)
+
+    def end_fill(self, e: Entry, odd_gen: int, csum: int | None) -> int | None:
+        """Publish the filled slot with its verified checksum, or (None) leave it empty."""
         if csum is None:
-            self.table.end_write(e.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
+            self.table.end_write(e.slot, odd_gen, EMPTY_KEY, 0, 0, Flags.EMPTY)
             return None
-        self.table.end_write(e.slot, g, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
+        self.table.end_write(e.slot, odd_gen, e.key, self.block_bytes, csum, Flags.VALID, e.parent)
         return csum
 
     def publish(self, e: Entry) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 from kvtier.core.events import Store
 from kvtier.core.index import Entry
@@ -16,7 +15,7 @@ from kvtier.core.outcomes import read, stored, written
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
 from kvtier.offload import map_shares
-from kvtier.shm.staging import StagingFile, StagingSegments
+from kvtier.shm.staging_files import StagingFile, StagingSegments
 from kvtier.tiers.facts import Fact, Facts
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime
@@ -79,6 +78,7 @@ class StagedStores:
         self.writes.maybe_tear(stores[0].dst, stores[0].entry)
         results = await fill(stores, self.writes.off_loop_bytes, self.threads)
         self.failpoints.reached("shm_written")
+        settled = []
         for s, got in zip(stores, results):
             outcome, detail = read(s.ev, s.dst.tier, got), ""
             if outcome is None:
@@ -86,10 +86,13 @@ class StagedStores:
             else:
                 s.rt.abort(s.dst, s.entry)
                 detail = CHANGED if got is None else str(got)
-            # Released once the block is visible: its client reads its own staged blocks until
-            # then (ClientPool._read_own), so there is no moment when neither copy is there.
-            self.staging.release(s.ev.segment, s.rt.layout.block_bytes, s.ev.slot, s.ev.gen)
-            self.facts.report(s.rt, self.facts.settle(s.rt, outcome, s.ev, detail), s.t0)
+            settled.append(self.facts.settle(s.rt, outcome, s.ev, detail))
+        # Released once the blocks are visible: a client reads its own staged blocks until then
+        # (ClientPool._read_host), so there is no moment when neither copy is there.
+        for (segment, bb), slots in _by_segment(stores).items():
+            self.staging.release_many(segment, bb, slots)
+        for s, fact in zip(stores, settled):
+            self.facts.report(s.rt, fact, s.t0)
 
 
 async def fill(stores: list[StagedStore], off_loop_bytes: int, threads: int) -> list[Filled]:
@@ -107,12 +110,44 @@ async def fill(stores: list[StagedStore], off_loop_bytes: int, threads: int) -> 
         raise
 
 
-def _fill_from_staging(stores: Sequence[StagedStore]) -> list[Filled]:
-    """Off the loop: touches only the reserved slots and the staging files."""
-    out: list[Filled] = []
+def _by_segment(stores: Sequence[StagedStore]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for s in stores:
+        out.setdefault((s.ev.segment, s.rt.layout.block_bytes), []).append((s.ev.slot, s.ev.gen))
+    return out
+
+
+def _fill_from_staging(stores: Sequence[StagedStore]) -> list[Filled]:
+    """Off the loop: touches only the reserved slots and the staging files. Each staging file's
+    headers are read once before the batch's copies and once after (StagingFile.headers); each
+    block is pread straight into its slot and hashed as it lands (shm/onepass.py)."""
+    out: list[Filled] = [None] * len(stores)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(stores):
+        groups.setdefault(id(s.staging), []).append(i)
+    for idxs in groups.values():
+        f = stores[idxs[0]].staging
+        begun: list[tuple[int, int, int | None]] = []  # (store, odd gen, checksum if the copy matched)
         try:
-            out.append(s.dst.fill_from(s.entry, partial(s.staging.read_into, s.ev.slot, s.ev.key, s.ev.gen)))
+            before = f.headers()
+            for i in idxs:
+                s = stores[i]
+                want = None if before is None else f.staged_checksum(before, s.ev.slot, s.ev.key, s.ev.gen)
+                if want is None:
+                    continue  # out[i] stays None: changed, gone or never staged
+                g, payload = s.dst.begin_fill(s.entry)
+                begun.append((i, g, None))
+                got, csum = f.read_payload(s.ev.slot, payload)
+                begun[-1] = (i, g, want if got == payload.nbytes and csum == want else None)
+            after = f.headers()
         except OSError as e:
-            out.append(e)
+            for i, g, _ in begun:
+                stores[i].dst.end_fill(stores[i].entry, g, None)
+            for i in idxs:
+                out[i] = e
+            continue
+        for i, g, verified in begun:
+            s = stores[i]
+            ok = verified is not None and f.unchanged(after, s.ev.slot, s.ev.key, s.ev.gen)
+            out[i] = s.dst.end_fill(s.entry, g, verified if ok else None)
     return out

@@ -32,7 +32,7 @@ from kvtier.disk.blockfile import aligned_empty
 from kvtier.errors import DiskFault, MalformedEvent, SegmentError
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
-from kvtier.shm.staging import StagingSegments
+from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_moves import DiskMoves
 from kvtier.tiers.evicting import Evictions

@@ -11,7 +11,7 @@ connection counts (kvtier/tools/bench_redis.py); Redis is reached over TCP on lo
 |---|---|---|---|
 | get | GB/s, cpu arena -> caller tensor (client.get) | numpy memcpy over the same bytes | >= 0.8x |
 | put | GB/s, client.put until visible in the cpu tier | numpy memcpy | >= 0.5x |
-| get / put, 64 KiB and 256 KiB blocks | blocks/s and GB/s, as above | numpy memcpy of the same bytes | get >= 0.5x, put >= 0.3x |
+| get / put, 64 and 256 KiB blocks | blocks/s and GB/s | memcpy of the same bytes | get >= 0.5x, put >= 0.3x |
 | redis put / get | GB/s, the redis tier's write, and its verified read | best raw SETs / GETs (grid) | >= 0.8x |
 | cross-node | GB/s, node B reads node A's cold 32-block chain through from Redis | raw GET + copy | >= 0.9x |
 | bus | events/s published until the daemon applied them | raw pipelined XADD + XREADGROUP/XACK | >= 0.5x |

@@ -44,7 +44,7 @@ from kvtier.core.fence import CommandFence
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.shm.slots import checksum
-from kvtier.shm.staging import StagingSegments
+from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.worker import TierWorker
 
 pytestmark = pytest.mark.integration

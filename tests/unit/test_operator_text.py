@@ -11,7 +11,8 @@ import structlog
 from kvtier.bus.consumer import SUMMARY_S, _entry_id, _Summary
 from kvtier.logs import LogThrottle
 from kvtier.shm.segment import ShmSegment
-from kvtier.shm.staging import CLIENT_COUNTS, CLIENT_COUNTS_OFF, MAX_COUNT_STEP, StagingFile, StagingWriter
+from kvtier.shm.staging import CLIENT_COUNTS, CLIENT_COUNTS_OFF, MAX_COUNT_STEP, StagingWriter
+from kvtier.shm.staging_files import StagingFile
 from kvtier.status import human_bytes, liveness
 from kvtier.tools.bench import idle_note
 

@@ -19,7 +19,8 @@ import pytest
 
 from kvtier.core.events import StagedBlock
 from kvtier.keys import BlockKey
-from kvtier.shm.staging import StagingFile, StagingWriter
+from kvtier.shm.staging import StagingWriter
+from kvtier.shm.staging_files import StagingFile
 from tests.support.waiting import wait_until
 
 BLOCK_BYTES = 4096
