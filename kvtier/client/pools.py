@@ -150,6 +150,19 @@ class ClientPool:
 
         return self._read_host(key, into_host)
 
+    def read_rows(self, keys: Sequence[bytes], out: npt.NDArray[np.uint8], rows: Sequence[int]) -> list[bool]:
+        """read() of keys[j] into host row out[rows[j]] (out: [*, block_bytes] uint8), for a batch:
+        blocks the directory lists in the cpu arena are probed, checked and verified together
+        (SlotTable.read_rows); the rest, and any that fail there, take read()'s path one by one."""
+        got = [False] * len(keys)
+        cpu = self.tables.get(Tier.CPU)
+        if isinstance(cpu, SlotTable) and keys:
+            got = cpu.read_rows(self.directory.cpu_slots(keys), keys, out, rows)
+        for j, ok in enumerate(got):
+            if not ok:
+                got[j] = self.read(keys[j], torch.from_numpy(out[rows[j]]))
+        return got
+
     def read_with(self, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
                   digest: Callable[[], int]) -> bool:
         """As read, into a host destination of the caller's making (SlotTable.read_with). A block

@@ -10,6 +10,10 @@ shift can miss a key for that instant, which is again only a miss.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import SegmentError
 from kvtier.shm.segment import ShmSegment
@@ -35,6 +39,12 @@ def directory_capacity(blocks: int) -> int:
 
 def directory_bytes(capacity: int) -> int:
     return ENTRY_OFF + ENTRY_BYTES * capacity
+
+
+# An entry as a numpy record, for probing a batch of keys at once (DirectoryReader.cpu_slots).
+_ENTRY_DTYPE = np.dtype([("used", "<u4"), ("gpu", "<i4"), ("cpu", "<i4"), ("flags", "<u4"), ("key", "V32"),
+                         ("disk", "<i4"), ("pad", "V12")])
+assert _ENTRY_DTYPE.itemsize == ENTRY_BYTES
 
 
 def _home(key: bytes, mask: int) -> int:
@@ -66,6 +76,18 @@ class DirectoryReader:
                 return gpu, cpu, flags, disk
             i = (i + 1) & mask
         return None
+
+
+    def cpu_slots(self, keys: Sequence[bytes]) -> npt.NDArray[np.int64]:
+        """For each key, its cpu slot when the directory lists it there and in no gpu slot, else
+        NO_SLOT (absent, elsewhere, or found only past its home bucket: the caller asks `find`).
+        One vectorised probe of every key's home bucket: per-key work a batch of reads skips."""
+        kb = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
+        homes = kb[:, :8].copy().view("<u8").ravel() & np.uint64(self._mask)
+        table = np.frombuffer(self.seg.buf, dtype=_ENTRY_DTYPE, count=self.capacity, offset=ENTRY_OFF)
+        rows = table[homes.astype(np.int64)]  # a snapshot: the table may change under us (a hint only)
+        hit = (rows["used"] != 0) & (rows["key"] == kb.view("V32").ravel()) & (rows["gpu"] == NO_SLOT)
+        return np.where(hit, rows["cpu"], NO_SLOT).astype(np.int64)
 
 
 class DirectoryWriter(DirectoryReader):

@@ -58,6 +58,7 @@ async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[
 async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
     from kvtier.client import Client
 
+    env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
         out["put"], out["get"] = await put_get(client, n, repeat)
         rng = np.random.default_rng(1)
@@ -131,6 +132,7 @@ async def small_block_rows(env: Env, n: int, repeat: int) -> dict:
     per-block work shows rather than bandwidth."""
     from kvtier.client import Client
 
+    env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=256) as client:
         put, get = await put_get(client, n, repeat)
     return {"put": put, "get": get, "block_bytes": client.pool("b").block_bytes}

@@ -109,6 +109,17 @@ class Env:
                 raise RuntimeError(f"{what} did not come up")
             time.sleep(0.02)
 
+    def wait_populated(self, timeout: float = 120) -> None:
+        """Until every pool's cpu arena is populated (the daemon populates it in the background
+        after READY): a put timed before then would measure the population too, which has a row
+        of its own (kvtier/tools/bench_arena.py)."""
+        def populated() -> bool:
+            pools = self.stats().get("pools") or {}
+            return bool(pools) and all((p.get("arena") or {}).get("state", "populated") == "populated"
+                                       for p in pools.values())
+
+        Env.wait_for(populated, "the arena population", timeout)
+
     def stats(self) -> dict:
         try:
             return json.loads((self.rdir / "stats.json").read_text())

@@ -1,6 +1,7 @@
 """Torn reads across processes: a writer process keeps rewriting the slots of a real shared-memory
 arena, reusing each slot for different keys, while three reader processes read it as fast as they
-can through `SlotTable.read_into`. Any read that reports success must return exactly the block
+can through `SlotTable.read_into`, and one of them in batches through `SlotTable.read_rows` (the
+clients' get path). Any read that reports success must return exactly the block
 it asked for: right key, full length, matching checksum, and the bytes the writer wrote for that
 (key, version). The worker processes live in tests/support/torn_rw.py.
 
@@ -26,6 +27,7 @@ from tests.support.waiting import wait_until
 
 READS = int(os.environ.get("KVTIER_TORN_READS", 1_000_000))
 READERS = 3
+BATCHES = (1, 8, 1)  # reads per call: the middle reader goes through read_rows
 SLOTS = 4
 BLOCK_BYTES = 8 << 10  # the integration pool's block size
 READ_DEADLINE_S = max(40.0, READS / 20_000)  # far above the measured rate; a stall fails, not hangs
@@ -60,8 +62,8 @@ def test_no_false_success_under_a_rewriting_writer_process() -> None:
                    timeout=30, message="the writer has filled every slot")
         assert writer.poll() is None, writer.stderr.read()
         per_reader = -(-READS // READERS)
-        readers = [_spawn("reader", arena.name, BLOCK_BYTES, per_reader, 100 + i, READ_DEADLINE_S)
-                   for i in range(READERS)]
+        readers = [_spawn("reader", arena.name, BLOCK_BYTES, per_reader, 100 + i, READ_DEADLINE_S, batch)
+                   for i, batch in enumerate(BATCHES)]
         procs += readers
         results = [_result(r, READ_DEADLINE_S + 30) for r in readers]
         ctrl.buf[0] = 1
@@ -88,4 +90,6 @@ def test_no_false_success_under_a_rewriting_writer_process() -> None:
     assert total["fresh"] >= 1000, total
     assert w["writes"] >= 10_000 and w["short_writes"] == w["writes"] // SHORT_EVERY, w
     assert total["raw_torn"] > 0, total
+    batched = results[BATCHES.index(8)]
+    assert batched["ok"] > 0 and batched["miss"] > 0 and batched["false"] == 0, batched
     assert not any(p.name.startswith(PREFIX) for p in Path("/dev/shm").iterdir())

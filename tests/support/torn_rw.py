@@ -1,7 +1,10 @@
 """Writer and reader processes for the cross-process torn-read test (tests/integration/test_torn_reads.py).
 
     python -m tests.support.torn_rw writer ARENA CTRL BLOCK_BYTES SEED
-    python -m tests.support.torn_rw reader ARENA BLOCK_BYTES READS SEED DEADLINE_S
+    python -m tests.support.torn_rw reader ARENA BLOCK_BYTES READS SEED DEADLINE_S [BATCH]
+
+A reader with BATCH > 1 reads BATCH (slot, key) picks at a time through `SlotTable.read_rows`, the
+clients' batch path, rather than one at a time through `read_into`.
 
 Both print one JSON line of counters on stdout when done. Every payload is a function of (key,
 version): u64 words [0, 4) hold the key, word 4 the version v, and word i >= 5 holds
@@ -72,7 +75,17 @@ def _writer(arena: str, ctrl_name: str, block_bytes: int, seed: int) -> dict:
     return {"writes": v, "short_writes": short}
 
 
-def _reader(arena: str, block_bytes: int, reads: int, seed: int, deadline_s: float) -> dict:
+def _pick(rng: random.Random, n: int, buf: memoryview, i: int) -> tuple[int, bytes]:
+    """A slot, and the key to ask it for: every other read the key its header names right now
+    (what a directory hint would say), else a key from the pool (usually not the one there)."""
+    slot = rng.randrange(n)
+    if i & 1:
+        off = HEADER_OFF + SLOT_HDR * slot + 16
+        return slot, bytes(buf[off : off + 32])
+    return slot, KEYS[rng.randrange(NKEYS)]
+
+
+def _reader(arena: str, block_bytes: int, reads: int, seed: int, deadline_s: float, batch: int = 1) -> dict:
     table = SlotTable.open(ShmSegment.attach(arena), Kind.ARENA, block_bytes=block_bytes)
     body = bodies(block_bytes)
     out = np.empty(block_bytes, np.uint8)
@@ -89,19 +102,28 @@ def _reader(arena: str, block_bytes: int, reads: int, seed: int, deadline_s: flo
     false_examples: list[str] = []
     deadline = time.monotonic() + deadline_s
     i = 0
+    rows = np.empty((batch, block_bytes), np.uint8)
+    pending: list[tuple[int, bytes, int | None, np.ndarray]] = []  # batch mode: (slot, key, csum, bytes)
     while i < reads:
         if i % 4096 == 0 and time.monotonic() > deadline:
             break
-        slot = rng.randrange(n)
-        hinted = bool(i & 1)
-        if hinted:  # the key the slot header names right now: what a directory hint would say
-            off = HEADER_OFF + SLOT_HDR * slot + 16
-            key = bytes(buf[off : off + 32])
-            c["hinted"] += 1
-        else:  # a key from the pool: usually not the one in the slot
-            key = KEYS[rng.randrange(NKEYS)]
+        if batch > 1 and not pending:
+            picks = [_pick(rng, n, buf, i + j) for j in range(batch)]
+            got = table.read_rows(np.array([s for s, _ in picks], np.int64), [k for _, k in picks], rows,
+                                  range(batch))
+            # The checksum a success verified is the slot's: recompute it from the copy below.
+            pending = [(s, k, checksum(rows[j]) if ok else None, rows[j]) for j, ((s, k), ok) in
+                       enumerate(zip(picks, got))][::-1]
+        if batch > 1:
+            slot, key, csum, got_bytes = pending.pop()
+            np.copyto(out, got_bytes)
+            hinted = bool(i & 1)
+        else:
+            slot, key = _pick(rng, n, buf, i)
+            hinted = bool(i & 1)
+            csum = table.read_into(slot, key, out)
+        c["hinted"] += hinted
         i += 1
-        csum = table.read_into(slot, key, out)
         if csum is None:
             c["miss"] += 1
             if i % 16 == 0:
@@ -141,7 +163,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "writer":
         res = _writer(argv[1], argv[2], int(argv[3]), int(argv[4]))
     else:
-        res = _reader(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]))
+        res = _reader(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]),
+                      int(argv[6]) if len(argv) > 6 else 1)
     print(json.dumps(res), flush=True)
 
 
