@@ -1,7 +1,7 @@
 """Read your own writes: the keys of blocks this engine handed to kvtier that the daemon has not
 placed yet (no vLLM imports). A lookup counts them as this node's from the step that plans their
 save until `land_s` after that step is over: the worker that staged them reads them from its own
-staging slots until the daemon has placed them (ClientPool._read_own). The countdown starts two
+staging slots until the daemon has placed them (ClientPool._read_host). The countdown starts two
 scheduler steps after the plan (the step that saves them has then ended, with asynchronous
 scheduling too), not at the plan: on a slow engine one forward pass outlasts `land_s` (a
 2,048-token fp32 prefill takes 4.5 s on a 2-core AVX2 host), and a countdown from the plan had
