@@ -78,16 +78,26 @@ class DirectoryReader:
         return None
 
 
-    def cpu_slots(self, keys: Sequence[bytes]) -> npt.NDArray[np.int64]:
+    def cpu_slots(self, keys: Sequence[bytes], probes: int = 4) -> npt.NDArray[np.int64]:
         """For each key, its cpu slot when the directory lists it there and in no gpu slot, else
-        NO_SLOT (absent, elsewhere, or found only past its home bucket: the caller asks `find`).
-        One vectorised probe of every key's home bucket: per-key work a batch of reads skips."""
-        kb = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
-        homes = kb[:, :8].copy().view("<u8").ravel() & np.uint64(self._mask)
+        NO_SLOT (absent, elsewhere, or found only past `probes` buckets: the caller asks `find`).
+        The keys' buckets are probed together, a bucket at a time: per-key work a batch of
+        reads skips. A hint, like `find`: the slot's header is what a read verifies."""
+        want = np.frombuffer(b"".join(keys), dtype="V32")
+        at = np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8").astype(np.int64) & self._mask
         table = np.frombuffer(self.seg.buf, dtype=_ENTRY_DTYPE, count=self.capacity, offset=ENTRY_OFF)
-        rows = table[homes.astype(np.int64)]  # a snapshot: the table may change under us (a hint only)
-        hit = (rows["used"] != 0) & (rows["key"] == kb.view("V32").ravel()) & (rows["gpu"] == NO_SLOT)
-        return np.where(hit, rows["cpu"], NO_SLOT).astype(np.int64)
+        out = np.full(len(keys), NO_SLOT, dtype=np.int64)
+        todo = np.arange(len(keys))
+        for _ in range(probes):
+            rows = table[at[todo]]  # a snapshot: the table may change under us
+            found = (rows["used"] != 0) & (rows["key"] == want[todo])
+            listed = found & (rows["gpu"] == NO_SLOT)
+            out[todo[listed]] = rows["cpu"][listed]
+            todo = todo[(rows["used"] != 0) & ~found]  # an empty bucket ends a key's probe
+            if not todo.size:
+                break
+            at[todo] = (at[todo] + 1) & self._mask
+        return out
 
 
 class DirectoryWriter(DirectoryReader):

@@ -304,12 +304,14 @@ class SlotTable:
         want = np.frombuffer(b"".join(keys), dtype="V32") if keys else np.empty(0, dtype="V32")
         ok &= ((before["magic"] == SLOT_MAGIC) & (before["gen"] % 2 == 0) & (before["flags"] == Flags.VALID)
                & (before["key"] == want) & (before["length"] == self.block_bytes))
-        payloads = self.payloads()
-        sums = np.zeros(len(keys), dtype=np.uint64)
+        payloads, bb = self.payloads(), self.block_bytes
+        sums = [0] * len(keys)
+        slots_at = idx.tolist()
         for j in np.flatnonzero(ok).tolist():
-            sums[j] = copy_hashed(out[rows[j]], payloads[idx[j], : self.block_bytes])
+            sums[j] = copy_hashed(out[rows[j]], payloads[slots_at[j], :bb])
         after = h[idx]
-        ok &= (after["gen"] == before["gen"]) & (after["key"] == want) & (sums == before["checksum"])
+        ok &= ((after["gen"] == before["gen"]) & (after["key"] == want)
+               & (np.array(sums, dtype=np.uint64) == before["checksum"]))
         return ok.tolist()  # type: ignore[no-any-return]
 
     def read_with(self, slot: int, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],

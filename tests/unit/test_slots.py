@@ -222,6 +222,26 @@ def test_reads_that_must_miss(new_seg) -> None:
         t.header(4)
 
 
+def test_read_rows_reads_a_batch_like_read_into_and_misses_the_same(new_seg) -> None:
+    """SlotTable.read_rows (a client's batch get) against read_into, block by block: the same
+    bytes for the blocks that check out, and a miss for a wrong key, an empty slot, a torn slot
+    (odd gen), a corrupt payload, a slot out of range; rows it misses are left to the caller."""
+    t = arena(new_seg)
+    for slot, (key, seed) in enumerate([(KA, 1), (KB, 2), (PARENT, 3)]):
+        t.write(slot, key, block(seed))
+    out = np.zeros((6, BB), np.uint8)
+    slots = np.array([0, 1, 2, 3, 9, -1], np.int64)
+    keys = [KA, KB, KB, KA, KA, KA]  # row 2: slot 2 holds PARENT, not KB; row 3: empty slot
+    assert t.read_rows(slots, keys, out, range(6)) == [True, True, False, False, False, False]
+    assert np.array_equal(out[0], block(1)) and np.array_equal(out[1], block(2))
+    # Rows land where `rows` says, and a torn or corrupt slot is a miss.
+    t.begin_write(0)
+    t.payloads()[1, 5] ^= 0xFF
+    out[:] = 0
+    assert t.read_rows(np.array([2, 0, 1], np.int64), [PARENT, KA, KB], out, [4, 0, 1]) == [True, False, False]
+    assert np.array_equal(out[4], block(3))
+
+
 WRITER = r"""
 import sys, time
 import numpy as np
@@ -351,6 +371,15 @@ def test_directory_matches_a_dict_model(ops) -> None:
         for key in keys:
             want = tuple(model[key]) if key in model else None
             assert r.find(key) == want and w.get(key) == want
+        # The batch probe agrees with find wherever it answers: a cpu slot for a key listed in
+        # the cpu tier and no gpu slot, NO_SLOT otherwise (absent, in the gpu tier, or found only
+        # past its probes, which a reader then asks `find` for).
+        for probes in (1, 4, 64):
+            got = r.cpu_slots(keys, probes).tolist()
+            for key, slot in zip(keys, got):
+                row = model.get(key)
+                cpu_only = row is not None and row[0] == NO_SLOT and row[1] != NO_SLOT
+                assert slot in ((row[1],) if cpu_only and probes == 64 else (NO_SLOT, row[1] if cpu_only else NO_SLOT))
     finally:
         seg.close()
         seg.unlink()
