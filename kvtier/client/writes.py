@@ -70,7 +70,10 @@ class ClientWrites:
                        wait_s: float = 0.0) -> PutResult:
         """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
-        `fill` may run in the client's copy threads, several blocks side by side."""
+        `fill` may return the xxh3-64 of what it wrote (an int, hashed as it wrote: one pass over
+        the bytes); otherwise dst is hashed after it. A wrong one costs the block (the daemon
+        verifies), never wrong bytes. `fill` may run in the client's copy threads, several blocks
+        side by side."""
         p = self.pool(pool)
 
         def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:

@@ -34,6 +34,12 @@ def checksum(data: HashInput) -> int:
     return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))
 
 
+def checksum_stream() -> xxhash.xxh3_64:
+    """`checksum` computed piece by piece: update(piece) in payload order, then intdigest(). For
+    a caller that copies a block in pieces (vLLM's per-layer pages) and hashes each as it lands."""
+    return xxhash.xxh3_64()
+
+
 def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any]) -> int:
     """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of dst."""
     flat = src if src.dtype == np.uint8 and src.ndim == 1 else src.reshape(-1).view(np.uint8)

@@ -101,11 +101,14 @@ class StagingWriter:
 
     def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
-        in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once."""
+        in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once.
+        `write` may return the xxh3-64 of what it wrote, hashed piece by piece as it wrote (one
+        pass); else dst is hashed here. Either way the daemon verifies the slot before use."""
         table = self.table
         dst = table.payloads()[b.slot, : table.block_bytes]
-        write(dst)
-        gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, checksum(dst), Flags.READY, b.parent)
+        got = write(dst)
+        csum = got if type(got) is int else checksum(dst)
+        gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, csum, Flags.READY, b.parent)
         return StagedBlock(b.key, b.parent, b.slot, gen)
 
     def staged(self, blocks: list[StagedBlock]) -> None:

@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from kvtier.client import ManifestEntry, ReadCounts, checksum_parts
+from kvtier.client import ManifestEntry, ReadCounts, checksum_parts, checksum_stream
 from kvtier.integrations.link import EngineLink, PoolSpec
 from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id, rank_salt
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
@@ -128,17 +128,22 @@ class WorkerMover:
             buf = self._scratch = torch.empty(shape, dtype=pool.dtype, device=self.caches[0].device)
         return buf[:n]
 
-    def _copy_pages_out(self, g: int, b: int, dst) -> None:
-        """vLLM block b's page of every layer of group g into dst (uint8, block_bytes: a staging slot)."""
+    def _copy_pages_out(self, g: int, b: int, dst) -> int | None:
+        """vLLM block b's page of every layer of group g into dst (uint8, block_bytes: a staging
+        slot). On host pages, the xxh3 of dst, each page hashed as it lands (one pass)."""
         if self._pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
             pages = self._pages[g]
             step = pages[0].shape[1]
+            h = checksum_stream()
             for layer, p in enumerate(pages):
-                np.copyto(dst[layer * step:(layer + 1) * step], p[b])
-        else:
-            caches = self.groups[g]
-            view = torch.from_numpy(dst).view(caches[0].dtype).view(len(caches), *self.page)
-            copy_block(caches, b, view)
+                piece = dst[layer * step:(layer + 1) * step]
+                np.copyto(piece, p[b])
+                h.update(piece)
+            return h.intdigest()
+        caches = self.groups[g]
+        view = torch.from_numpy(dst).view(caches[0].dtype).view(len(caches), *self.page)
+        copy_block(caches, b, view)
+        return None
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
@@ -249,16 +254,21 @@ class WorkerMover:
         # must not write into pages vLLM will recompute (a page in flight is one 128 KiB copy).
         abandoned = threading.Event()
 
+        landed: dict[int, int] = {}  # block -> xxh3 of its pages, hashed as each landed (one pass)
+
         def copy_out(i: int, src) -> None:
             b = block_ids[i]
+            h = checksum_stream()
             for layer, p in enumerate(pages):
                 if abandoned.is_set():
                     raise TimeoutError("the load was given up")
                 np.copyto(p[b], src[layer * step:(layer + 1) * step])
+                h.update(p[b])
+            landed[i] = h.intdigest()
 
         def digest(i: int) -> int:
-            b = block_ids[i]
-            return checksum_parts(p[b] for p in pages)
+            got = landed.pop(i, None)
+            return checksum_parts(p[block_ids[i]] for p in pages) if got is None else got
 
         try:
             return client.get_with(self.s.pool, keys, copy_out, digest, remote=remote, counts=counts, timeout=timeout)
