@@ -14,22 +14,12 @@ Every digest is checked against the one-shot xxh3 of the block: the streaming fo
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
 from kvtier.shm.onepass import PIECE, checksum, copy_hashed
-
-
-def best(fn: Callable[[], object], repeat: int) -> float:
-    t = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t
+from kvtier.tools.bench_basics import best_time as best
 
 
 def main() -> None:
