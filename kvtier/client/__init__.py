@@ -6,9 +6,9 @@ from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult, Re
 from kvtier.client.sync import SyncClient
 from kvtier.core.manifest import ManifestEntry, ModelHoldings
 from kvtier.errors import NamespaceConflict
-from kvtier.shm.onepass import checksum_stream
+from kvtier.shm.onepass import checksum_stream, copy_streamed
 from kvtier.shm.slots import checksum, checksum_parts
 
 __all__ = ["Client", "ClientStats", "DropReason", "Lookup", "ManifestEntry", "ModelHoldings", "NamespaceConflict",
            "PutResult", "ReadCounts", "SyncClient", "checksum", "checksum_parts",
-           "checksum_stream"]
+           "checksum_stream", "copy_streamed"]

@@ -43,16 +43,22 @@ def checksum_stream() -> xxhash.xxh3_64:
 def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any]) -> int:
     """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of dst."""
     flat = src if src.dtype == np.uint8 and src.ndim == 1 else src.reshape(-1).view(np.uint8)
-    n = dst.nbytes
-    if n <= PIECE:
+    if dst.nbytes <= PIECE:
         np.copyto(dst, flat)
         return xxhash.xxh3_64_intdigest(dst)  # type: ignore[arg-type]  # an array is a buffer (see HashInput)
     h = xxhash.xxh3_64()
-    for off in range(0, n, PIECE):
-        piece = dst[off:off + PIECE]
-        np.copyto(piece, flat[off:off + PIECE])
-        h.update(cast("ReadableBuffer", piece))
+    copy_streamed(h, dst, flat)
     return h.intdigest()
+
+
+def copy_streamed(h: xxhash.xxh3_64, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
+    """Copy src into dst (both flat uint8 of the same size) a piece at a time, feeding each piece
+    to the stream `h` as it lands: for a block that lands in several runs (a strided page), one
+    stream over all of them."""
+    for off in range(0, dst.nbytes, PIECE):
+        piece = dst[off:off + PIECE]
+        np.copyto(piece, src[off:off + PIECE])
+        h.update(cast("ReadableBuffer", piece))
 
 
 def pread_hashed(fd: int, dst: npt.NDArray[np.uint8], offset: int) -> tuple[int, int]:

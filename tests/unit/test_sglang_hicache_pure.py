@@ -119,9 +119,11 @@ def test_digest_of_a_strided_page_is_the_checksum_of_its_flat_bytes(layout: str)
 def test_copy_in_and_out_of_a_strided_page_round_trip() -> None:
     src_buf, dst_buf = kv_buffer(), torch.zeros_like(kv_buffer())
     block = np.empty(pages.flat_bytes(src_buf[:, 0:16]).size, dtype=np.uint8)
-    pages.copy_out(block, pages.tensor_bytes(src_buf[:, 16:32]))
+    # Each copy returns the xxh3 of what landed, taken as it landed: that of the flat bytes.
+    assert pages.copy_out(block, pages.tensor_bytes(src_buf[:, 16:32])) == checksum(block)
     assert np.array_equal(block, pages.flat_bytes(src_buf[:, 16:32]))
-    pages.copy_in(pages.tensor_bytes(dst_buf[:, 32:48]), block)
+    landed = pages.tensor_bytes(dst_buf[:, 32:48])
+    assert pages.copy_in(landed, block) == checksum(block) == pages.digest(landed)
     assert torch.equal(dst_buf[:, 32:48], src_buf[:, 16:32])
     assert not dst_buf[:, :32].any() and not dst_buf[:, 48:].any()  # nothing else written
 

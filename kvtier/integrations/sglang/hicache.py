@@ -164,8 +164,16 @@ class KvtierHiCacheStorage(SidecarCalls, HiCacheStorage):
         verified: from shared memory, and with `remote` the rest of the run from Redis (straight
         into a contiguous page)."""
         got = ReadCounts()  # this call's own figures: other threads share the client
-        n = client.get_with(pool or self.settings.pool, kk, lambda i, src: pages.copy_in(dst[i], src),
-                            lambda i: pages.digest(dst[i]), remote=self.settings.remote,
+        landed: dict[int, int] = {}  # page -> xxh3 taken as it was copied in (one pass)
+
+        def copy_in(i: int, src: pages.U8) -> None:
+            landed[i] = pages.copy_in(dst[i], src)
+
+        def digest(i: int) -> int:
+            csum = landed.pop(i, None)
+            return pages.digest(dst[i]) if csum is None else csum
+
+        n = client.get_with(pool or self.settings.pool, kk, copy_in, digest, remote=self.settings.remote,
                             land=lambda i: dst[i].reshape(-1) if dst[i].flags.c_contiguous else None,
                             counts=got, timeout=self.settings.call_timeout_s)
         self.counters.add("pages_read_local", got.local)

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.client import checksum_parts
+from kvtier.client import checksum_parts, checksum_stream, copy_streamed
 from kvtier.integrations.sglang.hicache_config import ConfigError
 
 U8 = npt.NDArray[np.uint8]
@@ -58,14 +58,25 @@ def digest(a: U8) -> int:
     return checksum_parts(runs(a))
 
 
-def copy_in(dst: U8, src: U8) -> None:
-    """Block bytes (flat) -> a page view of any strides."""
-    np.copyto(dst, src.reshape(dst.shape))
+def copy_in(dst: U8, src: U8) -> int:
+    """Block bytes (flat) -> a page view of any strides; the xxh3 of the page as it landed (its
+    runs in order, each hashed as it is copied: one pass, equal to `digest(dst)`)."""
+    h = checksum_stream()
+    off = 0
+    for run in runs(dst):
+        copy_streamed(h, run, src[off:off + run.size])
+        off += run.size
+    return h.intdigest()
 
 
-def copy_out(dst: U8, src: U8) -> None:
-    """A page view of any strides -> block bytes (flat)."""
-    np.copyto(dst.reshape(src.shape), src)
+def copy_out(dst: U8, src: U8) -> int:
+    """A page view of any strides -> block bytes (flat); the xxh3 of dst, hashed as it landed."""
+    h = checksum_stream()
+    off = 0
+    for run in runs(src):
+        copy_streamed(h, dst[off:off + run.size], run)
+        off += run.size
+    return h.intdigest()
 
 
 def page_view(host_pool: Any, index: int) -> U8:
