@@ -11,7 +11,7 @@ import secrets
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,9 +27,6 @@ from kvtier.shm.slots import (
     checksum,
     segment_bytes,
 )
-
-if TYPE_CHECKING:
-    pass
 
 FLAGS_OFF = 4
 # A staged block the daemon has not taken within this long is given up (see StagingWriter._reclaimed_slot).

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +23,6 @@ from kvtier.processes import pid_alive
 from kvtier.shm.onepass import pread_hashed
 from kvtier.shm.segment import SHM_DIR
 from kvtier.shm.slots import (
-    HEADER_DTYPE,
     HEADER_OFF,
     SLOT_HDR,
     SLOT_HEADER,
@@ -78,51 +77,52 @@ class StagingFile:
         return cls(name, fd, n, bb, stride, payload_off, fp)
 
     def header(self, slot: int) -> SlotHeader | None:
+        """One slot's header, read now (None: no such slot, or the file shrank)."""
         if not 0 <= slot < self.n:
             return None
-        raw = os.pread(self.fd, SLOT_HDR, HEADER_OFF + SLOT_HDR * slot)
-        return SlotHeader(*SLOT_HEADER.unpack_from(raw, 0)) if len(raw) == SLOT_HDR else None
-
-    def read_into(self, slot: int, key: bytes, gen: int, dst: npt.NDArray[np.uint8]) -> int | None:
-        """Copy the block the client staged as (key, gen) into dst and verify it; checksum or None."""
-        h = self.header(slot)
-        if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
-                or h.key != key or h.length != self.block_bytes or dst.nbytes != self.block_bytes):
-            return None
-        got, csum = pread_hashed(self.fd, dst, self._payload_off + self._stride * slot)
-        again = self.header(slot)
-        if got != self.block_bytes or again is None or again.gen != gen or again.key != key:
-            return None
-        return h.checksum if csum == h.checksum else None
+        return _parse(os.pread(self.fd, SLOT_HDR, HEADER_OFF + SLOT_HDR * slot))
 
     # A batch of stores reads the whole header table once before its copies and once after,
     # rather than two preads per block: the seqlock check holds across the batch, since a gen
     # unchanged at the later read was unchanged all along.
 
-    def headers(self) -> npt.NDArray[Any] | None:
-        """Every slot's header in one pread (HEADER_DTYPE records); None if the file shrank."""
+    def headers(self) -> bytes | None:
+        """Every slot's header, in one pread (None if the file shrank); see header_in."""
         raw = os.pread(self.fd, SLOT_HDR * self.n, HEADER_OFF)
-        return np.frombuffer(raw, dtype=HEADER_DTYPE) if len(raw) == SLOT_HDR * self.n else None
+        return raw if len(raw) == SLOT_HDR * self.n else None
 
-    def staged_checksum(self, hdrs: npt.NDArray[Any], slot: int, key: bytes, gen: int) -> int | None:
-        """The checksum the client wrote for (key, gen), when `hdrs` show it staged whole in `slot`
+    def header_in(self, table: bytes | None, slot: int) -> SlotHeader | None:
+        """Slot's header as `table` (from headers()) holds it."""
+        if table is None or not 0 <= slot < self.n:
+            return None
+        return _parse(table[SLOT_HDR * slot:SLOT_HDR * (slot + 1)])
+
+    def staged_checksum(self, h: SlotHeader | None, key: bytes, gen: int) -> int | None:
+        """The checksum the client wrote for (key, gen), when header `h` shows it staged whole
         (READY, even gen, full length); else None."""
-        if not 0 <= slot < self.n or gen % 2:
+        if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
+                or h.key != key or h.length != self.block_bytes):
             return None
-        h = hdrs[slot]
-        if (int(h["magic"]) != SLOT_MAGIC or int(h["gen"]) != gen or int(h["flags"]) != Flags.READY
-                or h["key"].tobytes() != key or int(h["length"]) != self.block_bytes):
-            return None
-        return int(h["checksum"])
+        return h.checksum
 
     @staticmethod
-    def unchanged(hdrs: npt.NDArray[Any] | None, slot: int, key: bytes, gen: int) -> bool:
-        return hdrs is not None and int(hdrs[slot]["gen"]) == gen and hdrs[slot]["key"].tobytes() == key
+    def unchanged(h: SlotHeader | None, key: bytes, gen: int) -> bool:
+        """Header `h`, read after a copy, still names (key, gen): nothing was written meanwhile."""
+        return h is not None and h.gen == gen and h.key == key
 
     def read_payload(self, slot: int, dst: npt.NDArray[np.uint8]) -> tuple[int, int]:
         """pread slot's payload into dst, hashed as it lands: (bytes read, xxh3). Unverified: the
         caller checks headers read before and after (staged_checksum, unchanged)."""
         return pread_hashed(self.fd, dst, self._payload_off + self._stride * slot)
+
+    def read_into(self, slot: int, key: bytes, gen: int, dst: npt.NDArray[np.uint8]) -> int | None:
+        """Copy the block the client staged as (key, gen) into dst and verify it; checksum or None."""
+        want = self.staged_checksum(self.header(slot), key, gen)
+        if want is None or dst.nbytes != self.block_bytes:
+            return None
+        got, csum = self.read_payload(slot, dst)
+        ok = got == self.block_bytes and csum == want and self.unchanged(self.header(slot), key, gen)
+        return want if ok else None
 
     def release(self, slot: int, gen: int) -> bool:
         """Mark the slot EMPTY (free for its client), unless the client has already rewritten it."""
@@ -130,15 +130,11 @@ class StagingFile:
 
     def release_many(self, slots: Sequence[tuple[int, int]]) -> int:
         """release() of each (slot, gen), the headers read once; how many were released."""
-        hdrs = self.headers() if len(slots) > 1 else None
+        table = self.headers() if len(slots) > 1 else None
         done = 0
         for slot, gen in slots:
-            if hdrs is not None:
-                g = int(hdrs[slot]["gen"]) if 0 <= slot < self.n else None
-            else:
-                h = self.header(slot)
-                g = None if h is None else h.gen
-            if g == gen:
+            h = self.header_in(table, slot) if table is not None else self.header(slot)
+            if h is not None and h.gen == gen:
                 os.pwrite(self.fd, Flags.EMPTY.to_bytes(4, "little"), HEADER_OFF + SLOT_HDR * slot + FLAGS_OFF)
                 done += 1
         return done
@@ -234,3 +230,7 @@ class StagingSegments:
         for f in self._open.values():
             f.close()
         self._open.clear()
+
+
+def _parse(raw: bytes) -> SlotHeader | None:
+    return SlotHeader(*SLOT_HEADER.unpack_from(raw, 0)) if len(raw) == SLOT_HDR else None

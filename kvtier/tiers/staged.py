@@ -132,7 +132,7 @@ def _fill_from_staging(stores: Sequence[StagedStore]) -> list[Filled]:
             before = f.headers()
             for i in idxs:
                 s = stores[i]
-                want = None if before is None else f.staged_checksum(before, s.ev.slot, s.ev.key, s.ev.gen)
+                want = f.staged_checksum(f.header_in(before, s.ev.slot), s.ev.key, s.ev.gen)
                 if want is None:
                     continue  # out[i] stays None: changed, gone or never staged
                 g, payload = s.dst.begin_fill(s.entry)
@@ -148,6 +148,6 @@ def _fill_from_staging(stores: Sequence[StagedStore]) -> list[Filled]:
             continue
         for i, g, verified in begun:
             s = stores[i]
-            ok = verified is not None and f.unchanged(after, s.ev.slot, s.ev.key, s.ev.gen)
+            ok = verified is not None and f.unchanged(f.header_in(after, s.ev.slot), s.ev.key, s.ev.gen)
             out[i] = s.dst.end_fill(s.entry, g, verified if ok else None)
     return out
