@@ -56,7 +56,8 @@ def _to_wire(value: object) -> object:
     if isinstance(value, enum.Enum):  # Tier as its int, the str enums (Cause, Reason, Failure) as their str
         return value.value
     if isinstance(value, StagedBlock):
-        return [value.key, value.parent, value.slot, value.gen]
+        wire = [value.key, value.parent, value.slot, value.gen]
+        return wire + [True] if value.granted else wire
     if isinstance(value, tuple):
         return [_to_wire(v) for v in value]
     return value
@@ -154,6 +155,8 @@ def _checker(name: str, hint: object) -> Check:
         return _name if name in ("pool", "segment") else _str
     if hint is int:
         return _int
+    if hint is bool:
+        return _bool
     if hint is Tier:
         return _tier
     if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
@@ -196,14 +199,15 @@ def _str_enum(hint: type[enum.StrEnum], where: str, value: object) -> enum.StrEn
 
 
 def _staged(where: str, value: object) -> StagedBlock:
-    if not isinstance(value, list) or len(value) != 4:
-        raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen]")
-    k, p, slot, gen = value
+    if not isinstance(value, list) or len(value) not in (4, 5) or (len(value) == 5 and value[4] is not True):
+        raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen] (+ true: granted)")
+    k, p, slot, gen = value[:4]
     return StagedBlock(
         key=_key(where + ".key", k),
         parent=None if p is None else _key(where + ".parent", p),
         slot=_uint(where + ".slot", slot),
         gen=_uint(where + ".gen", gen),
+        granted=len(value) == 5,
     )
 
 
@@ -245,6 +249,12 @@ def _name(where: str, value: object) -> str:
 def _int(where: str, value: object) -> int:
     if type(value) is not int or not (-I64_MAX - 1 <= value <= I64_MAX):
         raise MalformedEvent(f"{where}: expected a 64-bit integer, got {type(value).__name__}")
+    return value
+
+
+def _bool(where: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise MalformedEvent(f"{where}: expected true or false, got {str(value)[:80]!r}")
     return value
 
 

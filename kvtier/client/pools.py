@@ -16,6 +16,7 @@ from kvtier.disk.reader import DiskSlots
 from kvtier.errors import BadRequest, SegmentError
 from kvtier.keys import BlockKey
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
+from kvtier.shm.prefault import Prefault
 from kvtier.shm.segment import SHM_DIR, ShmSegment
 from kvtier.shm.slots import Flags, Kind, SlotTable
 from kvtier.shm.staging import StagingWriter
@@ -85,8 +86,12 @@ class ClientPool:
         cpu_dir = Path(desc.cpu.dir or SHM_DIR)  # a huge-page mount, or /dev/shm
         if not cpu_dir.is_absolute():
             raise SegmentError(f"pool {name}: the descriptor's arena directory {cpu_dir} is not absolute")
-        self.tables[Tier.CPU] = SlotTable.open(
-            ShmSegment.attach(desc.cpu.segment, trusted_uid=daemon_uid, directory=cpu_dir), Kind.ARENA, fp, bb)
+        self.tables[Tier.CPU] = self.arena = SlotTable.open(_attach_arena(desc.cpu.segment, daemon_uid, cpu_dir),
+                                                            Kind.ARENA, fp, bb)
+        # Map the arena's pages now, in the background, not one fault per page on first use
+        # (shm/prefault.py). A huge-page arena faults once per 2 MiB anyway.
+        self.prefault = None if cpu_dir != SHM_DIR else Prefault(
+            self.arena.payloads().ctypes.data, self.arena.n * self.arena.stride).start()
         self.disk_error: str | None = None  # why the disk tier's file could not be opened (its blocks then miss)
         if desc.disk is not None:
             try:
@@ -179,11 +184,12 @@ class ClientPool:
         if self._read_listed(key, read):
             return True
         w = self.staging
-        if w is None or (slot := w.slot_of(key)) is None:
+        if w is None:
             return False
-        if read(w.table, slot, Flags.READY):
-            self.own_reads += 1
-            return True
+        for table, slot in ((w.table, w.slot_of(key)), (w.arena, w.granted_slot_of(key))):
+            if table is not None and slot is not None and read(table, slot, Flags.READY):
+                self.own_reads += 1
+                return True
         return self._read_listed(key, read)
 
     def _read_listed(self, key: bytes, read: Callable[[SlotTable | DiskSlots, int, int], bool]) -> bool:
@@ -208,18 +214,19 @@ class ClientPool:
         """This client's staging segment for the pool, made on first use."""
         if self.staging is None:
             self.staging = StagingWriter.create(self._node, self._staging_blocks, self.block_bytes, self.fingerprint,
-                                                daemon_uid=self._uid, shm_gid=self._gid)
+                                                daemon_uid=self._uid, shm_gid=self._gid,
+                                                arena=self.arena if self.arena.seg.writable else None)
         return self.staging
 
     def stage(self, keys: Sequence[BlockKey], parent: BlockKey | None, kv: torch.Tensor) -> list[StagedBlock]:
         """Write blocks into free staging slots, here and now. Stops at the first block with no free slot."""
         w = self.stager()
-        taken = w.take_slots(keys, parent)
+        taken = w.take_slots(keys, parent, grants=False)
         try:
             rows = host_rows(kv, len(taken))
             blocks = [w.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
         except BaseException:
-            w.unstage(taken)
+            w.unstage(taken, published=False)
             raise
         w.staged(blocks)
         return blocks
@@ -258,12 +265,23 @@ class ClientPool:
             self._close_now()
 
     def _close_now(self) -> None:
+        if self.prefault is not None:
+            self.prefault.stop()
         if self.staging is not None:
             self.staging.close(leave_uncounted=self._daemon_alive)
             self.staging = None
         for table in self.tables.values():
             table.close()
         self.directory.seg.close()
+
+
+def _attach_arena(name: str, daemon_uid: int, directory: Path) -> ShmSegment:
+    """The cpu arena, writable where the daemon lets this client write the slots it grants it
+    (kvtier/tiers/grants.py), else read-only: every put then goes through staging."""
+    try:
+        return ShmSegment.attach(name, writable=True, trusted_uid=daemon_uid, directory=directory)
+    except SegmentError:
+        return ShmSegment.attach(name, trusted_uid=daemon_uid, directory=directory)
 
 
 def read_device_block(payload: torch.Tensor, table: SlotTable, slot: int, key: bytes, dst: torch.Tensor) -> bool:

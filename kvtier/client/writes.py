@@ -137,13 +137,14 @@ class ClientWrites:
                 staged = await self._copy(lambda share: [write(i, b) for i, b in share], list(enumerate(staged)),
                                           len(staged) * p.block_bytes)
         except BaseException:
-            w.unstage(staged)
+            w.unstage(staged, published=False)
             raise
         w.staged(staged)
         bt = 4 * p.layout.block_tokens
         part = None if tokens is None else TokenIds(tokens[off * bt:(off + len(staged)) * bt])
         try:
-            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part))
+            epoch = w.grant_epoch if staged[0].granted else 0
+            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part, epoch))
         except REDIS_ERRORS as e:
             w.unstage(staged)
             self.stats.event_errors += 1

@@ -163,6 +163,9 @@ class DaemonConfig:
     # Threads that copy one batch's staged blocks into a tier at the same time (the copies and
     # checksums release the GIL); 0 = min(4, CPU cores).
     copy_threads: int = setting(integer(0, 64), 0)
+    # Cpu arena slots each client's staging segment is granted ahead of its puts, which the
+    # client then writes itself, in one pass (kvtier/tiers/grants.py); 0 = every put is staged.
+    grant_blocks: int = setting(integer(0, 256), 128)
     # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
     failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
 

@@ -71,12 +71,15 @@ class Failure(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StagedBlock:
-    """One block a client wrote into its staging segment."""
+    """One block a client wrote into its staging segment, or (`granted`) straight into a cpu
+    arena slot the daemon granted it (kvtier/tiers/grants.py): then `slot` and `gen` are the
+    arena slot's."""
 
     key: BlockKey
     parent: BlockKey | None
     slot: int
     gen: int
+    granted: bool = False
 
 
 # --- client events -------------------------------------------------------------------------
@@ -101,6 +104,9 @@ class Put:
     segment: str
     blocks: tuple[StagedBlock, ...]
     tokens: TokenIds | None = None  # block_tokens ids per block, in block order, when the client gave them
+    # The daemon's grant epoch the granted blocks were written under (0: none granted); a block
+    # granted by an earlier daemon is refused, never adopted.
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,7 @@ class Store:
     segment: str
     slot: int
     gen: int
+    granted: bool = False  # slot and gen are of the cpu arena slot granted to the segment's client
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,11 @@ slot whose pages are populated may be handed out. `slots` is the tier's size, `c
 in service now (the figure placement decides by); `bring_into_service` adds slots as their pages
 arrive. A warm restart may restore a block into a slot not yet in service (its pages hold the
 block, so they exist): that slot counts towards `capacity` from then on.
+
+Grants: a slot handed to a client ahead of its put (kvtier/tiers/grants.py), so the client
+writes the block into it itself. A granted slot is under no key and not free (not `used` either:
+the watermarks count blocks), and is either `claim`ed by the put that fills it (it becomes that
+key's PENDING entry) or `ungrant`ed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class TierIndex:
         self._free: dict[int, None] = {}
         self._serving = bytearray(capacity or 0)  # 1 = slot in service
         self._early: set[int] = set()  # restored before their slot came into service
+        self._granted: set[int] = set()  # handed to a client ahead of a put, under no key yet
         self.capacity = capacity
         if capacity:
             self.capacity = 0
@@ -79,6 +85,10 @@ class TierIndex:
     @property
     def used(self) -> int:
         return len(self._entries)
+
+    @property
+    def granted(self) -> int:
+        return len(self._granted)
 
     @property
     def free(self) -> int:
@@ -125,6 +135,34 @@ class TierIndex:
         e = Entry(key=key, parent=parent, slot=slot)
         self._entries[key] = e
         return e
+
+    def grant(self, n: int) -> list[int]:
+        """Up to `n` free slots, taken out of the free set under no key (never by evicting)."""
+        if self.capacity is None:
+            return []
+        out: list[int] = []
+        while self._free and len(out) < n:
+            out.append(self._free.popitem()[0])
+        self._granted.update(out)
+        return out
+
+    def claim(self, slot: int, key: BlockKey, parent: BlockKey | None) -> Entry | None:
+        """The granted `slot` holds `key` now: its PENDING entry. None (nothing changes) if the
+        slot is not granted or `key` is here already."""
+        if slot not in self._granted or key in self._entries:
+            return None
+        self._granted.discard(slot)
+        e = self._entries[key] = Entry(key=key, parent=parent, slot=slot)
+        return e
+
+    def ungrant(self, slot: int) -> bool:
+        """A granted slot comes back unused: free again. False if it was not granted."""
+        if slot not in self._granted:
+            return False
+        self._granted.discard(slot)
+        if self._serving[slot]:
+            self._free[slot] = None
+        return True
 
     def commit(self, key: BlockKey) -> Entry | None:
         """PENDING -> READY: visible, most recently used, counted as its parent's child."""
@@ -193,6 +231,7 @@ class TierIndex:
         self._kids.clear()
         self._free.clear()
         self._early.clear()
+        self._granted.clear()
         self._serving = bytearray()
         self.slots = self.capacity = 0
         self.leaving = 0

@@ -61,30 +61,39 @@ class Placement(Promotion):
 
     # --- admission -----------------------------------------------------------------------------
 
-    def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None) -> list[Tier | None]:
+    def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None, granted: int = 0
+              ) -> list[Tier | None]:
         """Where each new block from a client goes, head first: the highest local tier with room
         (counting blocks already on their way in), then, for a chain that does not fit, a slot
         the worker frees by dropping a colder chain's clean tail block, else straight to Redis
-        rather than dropping it. None for a block already here or already on its way (a
-        duplicate put)."""
+        rather than dropping it. The first `granted` blocks were written into cpu slots granted
+        to the client (kvtier/tiers/grants.py): they go to the cpu tier, where their bytes are
+        (promotion moves them up when they are hot). None for a block already here or already
+        on its way (a duplicate put)."""
         self._expire(now)
         fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
-        for key in keys:
-            if all(self.tiers[t].get(key) is None and key not in self._incoming[t] for t in LOCAL):
-                fresh[key] = None
+        placed: dict[BlockKey, Tier] = {}  # the granted ones, in their cpu slots already
+        for i, key in enumerate(keys):
+            if all(self.tiers[t].get(key) is None and key not in self._incoming[t] and key not in placed
+                   for t in LOCAL):
+                if i < granted:
+                    placed[key] = Tier.CPU
+                else:
+                    fresh[key] = None
         slots = [t for t in LOCAL for _ in range(min(self.room(t), len(fresh)))]
         if len(slots) < len(fresh):
             # Colder chains' tails make way for this chain's head: blocks Redis (for gpu: cpu)
             # holds too, which the worker drops when it finds the tier full (room_victim).
             for t in LOCAL:
                 slots += [t] * self._clean_spares(t, len(fresh) - len(slots))
-        place = dict(zip(fresh, slots))
+        place = {**dict(zip(fresh, slots)), **placed}
         out: list[Tier | None] = []
         for key in keys:  # a chain: each block's parent is the one before it (the first's: `parent`)
-            if key not in fresh:
+            if key not in fresh and key not in placed:
                 out.append(None)  # here already, on its way, or a duplicate within this put
             else:
-                del fresh[key]
+                fresh.pop(key, None)
+                placed.pop(key, None)
                 tier = place.get(key, Tier.REDIS)
                 if tier in self._incoming:
                     self._incoming[tier].add(key, parent, now + self.knobs.transfer_timeout_s)
@@ -92,11 +101,11 @@ class Placement(Promotion):
             parent = key
         return out
 
-    def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float
+    def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float, granted: int = 0
                ) -> tuple[list[Tier | None], list[Command]]:
         """`admit`, and the Redis copies a put that spills calls for (core/spill.py): the copies
         of its local ancestors go now, those of its own local head once they are stored."""
-        tiers = self.admit(keys, now, parent)
+        tiers = self.admit(keys, now, parent, granted)
         if (self.knobs.redis_write is RedisWrite.WRITE_THROUGH or self.knobs.redis_admit_after_hits
                 or Tier.REDIS not in tiers):
             return tiers, []

@@ -72,6 +72,20 @@ class Residency:
         """Slots of local tier `t` whose pages are now populated may be handed out."""
         return self.tiers[t].bring_into_service(slots)
 
+    def grant(self, t: Tier, n: int) -> list[int]:
+        """Up to `n` free slots of local tier `t` handed to a client for its next puts (under no
+        key, not free), never by evicting."""
+        return self.tiers[t].grant(n)
+
+    def claim(self, t: Tier, slot: int, key: BlockKey, parent: BlockKey | None) -> Entry | None:
+        """A client wrote `key` into the granted `slot`: its PENDING entry, as `reserve` makes;
+        None when the slot is not granted or `key` is here already."""
+        return self.tiers[t].claim(slot, key, parent)
+
+    def ungrant(self, t: Tier, slot: int) -> bool:
+        """A granted slot comes back unused (its client died, or its put was a duplicate)."""
+        return self.tiers[t].ungrant(slot)
+
     def unreserve(self, t: Tier, key: BlockKey) -> None:
         """The write into the reserved slot failed: free it."""
         self.tiers[t].remove(key)

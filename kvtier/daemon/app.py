@@ -51,6 +51,7 @@ from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads
 from kvtier.runtime import STATS, write_json_atomic
 from kvtier.shm.staging_files import StagingSegments
+from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
 
@@ -239,8 +240,11 @@ class Daemon:
             for sink in sinks:
                 sink(pool, facts)
 
+        grants = self.grants = GrantBook(self.pools, staging, cfg.daemon.grant_blocks, self.log)
+        grants.renew(sorted(staging.present()))  # before serving: clients drop an earlier daemon's grants
         coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log,
-                                  on_facts if sinks else None, router.note_tokens if router is not None else None)
+                                  on_facts if sinks else None, router.note_tokens if router is not None else None,
+                                  grants)
         self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
                                          coordinator.handle, coordinator.flush)]
         for t in Tier:
@@ -250,7 +254,7 @@ class Daemon:
                                 off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
                                 copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
                                 flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections,
-                                failpoints=self.failpoints)
+                                failpoints=self.failpoints, grants=grants)
             self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle, worker.flush))
 
     def _consumer(self, bus: AsyncRedis, streams: list[str], role: str,
@@ -276,7 +280,8 @@ class Daemon:
         chores.every("stats", self.cfg.daemon.stats_interval_s, self._write_stats)
         self.manifests = ManifestReader(bus, self.pools, self.cfg.daemon.manifest_interval_s, self.log)
         chores.start("manifest", self.manifests.run())
-        chores.every("reaper", REAP_INTERVAL_S, lambda: staging.reap(self._client_drops))
+        chores.every("reaper", REAP_INTERVAL_S, lambda: (staging.reap(self._client_drops, self.grants.forget),
+                                                          self.grants.expire()))
         chores.start("loop-lag", self.loop_lag.run())
         if self.prefix_index is not None:
             chores.start("prefix-index", self.prefix_index.run())
@@ -318,20 +323,17 @@ class Daemon:
                 return
 
     async def _watch_embedded(self, embedded: EmbeddedRedis) -> None:
-        code = await embedded.wait()
-        raise RuntimeError(f"embedded redis-server exited with code {code}")
+        raise RuntimeError(f"embedded redis-server exited with code {await embedded.wait()}")
 
     # --- what stats.json and the metrics endpoint show -------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "node": self.cfg.node.id,
-            "pid": os.getpid(),
-            "epoch": self.epoch,
+            "pid": os.getpid(), "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready_s": self.ready_s,
-            "written_at": time.time(),
-            "stats_interval_s": self.cfg.daemon.stats_interval_s,
+            "written_at": time.time(), "stats_interval_s": self.cfg.daemon.stats_interval_s,
             "bus": self.bus_stats.as_dict(),
             "loop": self.loop_lag.as_dict(),
             "pools": {name: {**pool_snapshot(rt), "models": self.manifests and self.manifests.snapshot(name)}

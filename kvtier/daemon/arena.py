@@ -141,6 +141,8 @@ def open_cpu_arena(name: str, n: int, layout: BlockLayout, gid: int | None, mode
         _check_room(name, size, backing)
         seg = ShmSegment.create(name, size, mode=mode, gid=gid, directory=backing.directory, keep_fd=True)
     assert seg.fd is not None
+    if warm:
+        os.fchmod(seg.fd, mode)  # an arena kept by a daemon before grants was not group-writable
     try:
         filler = PageFiller(seg.fd, _base(seg), seg.size, backing.page_bytes)
         if binder is not None:

@@ -29,6 +29,7 @@ from kvtier.core.events import (
 )
 from kvtier.errors import MalformedEvent
 from kvtier.keys import BlockKey
+from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 
 
@@ -41,8 +42,10 @@ def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Copy | Ev
 class Coordinator:
     def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log,
                  on_facts: Callable[[str, list[Stored | Removed]], None] | None = None,
-                 on_tokens: Callable[[str, list[BlockKey], bytes], None] | None = None) -> None:
+                 on_tokens: Callable[[str, list[BlockKey], bytes], None] | None = None,
+                 grants: GrantBook | None = None) -> None:
         self.pools = pools
+        self.grants = grants
         self.on_facts = on_facts  # the KV-event publisher (for routers), told once a batch is applied
         self.on_tokens = on_tokens  # ... and the token ids a put carried, which its events name
         self._facts: dict[str, list[Stored | Removed]] = {}
@@ -119,11 +122,24 @@ class Coordinator:
         rt.counters.puts += len(ev.blocks)
         if ev.tokens is not None and self.on_tokens is not None:
             self.on_tokens(rt.name, [b.key for b in ev.blocks], ev.tokens)
-        tiers, cmds = rt.placement.on_put([b.key for b in ev.blocks], ev.blocks[0].parent if ev.blocks else None,
-                                          time.monotonic())
-        for b, tier in zip(ev.blocks, tiers):
-            if tier is None:  # already cached here: hand the staging slot straight back
+        blocks = ev.blocks
+        granted = sum(1 for b in blocks if b.granted)  # the chain's head: written into granted cpu slots
+        if any(b.granted for b in blocks[granted:]):
+            raise MalformedEvent("a put's granted blocks must lead its chain")
+        if granted and (self.grants is None or ev.epoch != self.grants.epoch):
+            # Granted by an earlier daemon: refused, and the slots left alone (this one never granted them).
+            rt.counters.puts_dropped += granted
+            self.log.warning("coordinator.stale_grants", pool=rt.name, segment=ev.segment, blocks=granted)
+            blocks, granted = blocks[granted:], 0
+        if not blocks:
+            return []
+        tiers, cmds = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted)
+        for b, tier in zip(blocks, tiers):
+            if tier is None and b.granted:  # already cached here: the granted slot is freed
+                assert self.grants is not None
+                self.grants.give_back(rt, ev.segment, b.slot)
+            elif tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
             else:
-                cmds.append(Store(rt.name, tier, b.key, b.parent, ev.segment, b.slot, b.gen))
+                cmds.append(Store(rt.name, tier, b.key, b.parent, ev.segment, b.slot, b.gen, b.granted))
         return cmds

@@ -13,7 +13,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_tier_bytes_in_total, kvtier_tier_failed_transfers_total, kvtier_tier_refused_evictions_total,
   kvtier_tier_stale_commands_total, kvtier_tier_transfer_seconds (histogram)
   kvtier_pool_hits_total, kvtier_pool_misses_total, kvtier_pool_puts_total,
-  kvtier_pool_puts_dropped_total, kvtier_pool_client_puts_dropped_total, kvtier_redis_errors_total,
+  kvtier_pool_puts_dropped_total, kvtier_pool_client_puts_dropped_total, kvtier_pool_granted_puts_total,
+  kvtier_pool_grants_reclaimed_total, kvtier_redis_errors_total,
   kvtier_redis_corrupt_total, kvtier_resync_missing_total, kvtier_resync_copies_total
   kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
   redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
@@ -55,6 +56,9 @@ _POOL_COUNTERS = {
     "puts_dropped": ("kvtier_pool_puts_dropped", "Handed-over blocks dropped (no room, bad staging, Redis refused)"),
     "client_puts_dropped": ("kvtier_pool_client_puts_dropped",
                             "Blocks clients could not hand over (staging full, the bus down), as they count them"),
+    "granted_puts": ("kvtier_pool_granted_puts", "Blocks clients wrote into cpu slots granted to them (one pass)"),
+    "grants_reclaimed": ("kvtier_pool_grants_reclaimed",
+                         "Granted cpu slots taken back unused (client gone, expired, duplicate, bad header)"),
     "redis_errors": ("kvtier_redis_errors", "Errors from Redis on block reads and writes"),
     "redis_corrupt": ("kvtier_redis_corrupt", "Values in Redis that failed verification and were deleted"),
     "redis_redirects": ("kvtier_redis_redirects", "Block commands a Redis Cluster redirected (MOVED, ASK, TRYAGAIN)"),

@@ -134,7 +134,9 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
     dir_seg = _fresh(segment_name(node, cfg.name, "dir"), directory_bytes(dir_cap), gid)
     created.append(dir_seg)
     directory = DirectoryWriter.create(dir_seg, dir_cap, layout.fingerprint)
-    arena = open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid, _shm_mode(gid),
+    # Clients write the cpu slots the daemon grants them (kvtier/tiers/grants.py): group-writable.
+    arena = open_cpu_arena(segment_name(node, cfg.name, "cpu"), cfg.cpu_blocks, layout, gid,
+                           0o660 if gid is not None else 0o600,
                            arena_cfg, cfg.device, log)
     if not arena.warm:
         created.append(arena.table.seg)

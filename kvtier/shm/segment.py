@@ -38,6 +38,7 @@ class ShmSegment:
         self.name = name
         self._mmap = mapping
         self.buf = memoryview(mapping)
+        self.writable = not self.buf.readonly
         self.size = len(mapping)
         self.owner = owner
         self.directory = directory

@@ -2,6 +2,8 @@
 
 A client writes new blocks into its own staging segment (StagingWriter) and names it in a Put
 event. The daemon reads them and releases each slot once it is done with it (shm/staging_files.py).
+Where the daemon has granted the segment cpu arena slots (shm/grant_ring.py), a put's leading
+blocks go straight into those instead, and the daemon only checks their headers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy.typing as npt
 
 from kvtier.core.events import StagedBlock
 from kvtier.keys import BlockKey
+from kvtier.shm.grant_ring import GRANT_USE_S, GrantRing
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import (
     EMPTY_KEY,
@@ -51,16 +54,23 @@ class StagingWriter:
     """A client's own staging segment for one pool: it takes free slots, writes blocks into them
     under the seqlock, and takes back slots the daemon never released."""
 
-    def __init__(self, table: SlotTable, reclaim_s: float = STAGING_RECLAIM_S) -> None:
+    def __init__(self, table: SlotTable, reclaim_s: float = STAGING_RECLAIM_S, arena: SlotTable | None = None) -> None:
         self.table = table
         self.reclaim_s = reclaim_s  # a slot the daemon has not released this long is taken back
         self._cursor = 0
         self._staged_at: dict[int, float] = {}  # staging slot -> when it was last staged
         self._slot_of: dict[bytes, int] = {}  # the last slot each key was staged in (a hint: reads verify)
+        # The pool's cpu arena, mapped writable (None: read-only, so no grants are used), the
+        # grants taken from the ring and not used yet, and the daemon epoch they came under.
+        self.arena = arena
+        self._ring = GrantRing(table.seg.buf)
+        self.grant_epoch = 0
+        self._grants: list[tuple[int, float]] = []  # (slot, when it was taken from the ring)
+        self._granted_of: dict[bytes, int] = {}  # key -> the granted slot it was written in (a hint)
 
     @classmethod
     def create(cls, node: str, blocks: int, block_bytes: int, fingerprint: bytes, *, daemon_uid: int,
-               shm_gid: int | None) -> StagingWriter:
+               shm_gid: int | None, arena: SlotTable | None = None) -> StagingWriter:
         same_user = os.geteuid() == daemon_uid
         seg = ShmSegment.create(
             f"{staging_prefix(node)}{os.getpid()}.{secrets.token_hex(8)}", segment_bytes(blocks, block_bytes),
@@ -68,19 +78,23 @@ class StagingWriter:
             gid=None if same_user else shm_gid,
             reserve=True,  # every page now: a full /dev/shm fails here, not as a SIGBUS mid-put
         )
-        return cls(SlotTable.format(seg, Kind.STAGING, blocks, block_bytes, fingerprint))
+        return cls(SlotTable.format(seg, Kind.STAGING, blocks, block_bytes, fingerprint), arena=arena)
 
     @property
     def seg(self) -> ShmSegment:
         return self.table.seg
 
-    def take_slots(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[StagedBlock]:
-        """Take free slots for the leading keys (stops at the first with none) and mark each as
-        being written (odd gen), so no other put takes it. `gen` is that odd gen until
-        `fill_slot` (or `fill_slot_with`) has written the block."""
-        taken: list[StagedBlock] = []
-        free = iter(self._free_slots(len(keys)))
-        for key in keys:
+    def take_slots(self, keys: Sequence[BlockKey], parent: BlockKey | None, grants: bool = True
+                   ) -> list[StagedBlock]:
+        """Take slots for the leading keys (stops at the first with none), granted arena slots
+        first, then free staging slots, and mark each as being written (odd gen), so no other
+        put takes it. `gen` is that odd gen until `fill_slot` (or `fill_slot_with`) has written
+        the block."""
+        taken = self._take_grants(keys, parent) if grants else []
+        if taken:
+            parent = taken[-1].key
+        free = iter(self._free_slots(len(keys) - len(taken)))
+        for key in keys[len(taken):]:
             slot = next(free, None)
             if slot is None:
                 slot = self._reclaimed_slot()
@@ -90,33 +104,60 @@ class StagingWriter:
             parent = key
         return taken
 
+    def _take_grants(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[StagedBlock]:
+        """Granted arena slots for the leading keys, as many as this client holds."""
+        if self.arena is None:
+            return []
+        epoch, fresh, renewed = self._ring.take(self.grant_epoch)
+        if renewed:  # a new daemon: what the old one granted is not ours any more
+            self._grants.clear()
+            self._granted_of.clear()
+            self.grant_epoch = epoch
+        now = time.monotonic()
+        self._grants = [g for g in self._grants if now - g[1] < GRANT_USE_S]  # older: the daemon takes them back
+        self._grants.extend((s, now) for s in fresh if 0 <= s < self.arena.n)
+        taken = []
+        for key in keys[:len(self._grants)]:
+            slot = self._grants.pop()[0]
+            taken.append(StagedBlock(key, parent, slot, self.arena.begin_write(slot), granted=True))
+            parent = key
+        return taken
+
+    def _table(self, b: StagedBlock) -> SlotTable:
+        return self.arena if b.granted and self.arena is not None else self.table
+
     def fill_slot(self, b: StagedBlock, row: npt.NDArray[Any]) -> StagedBlock:
         """Write a taken slot's block from `row` (uint8) and publish it READY, with its even gen.
         Touches only that slot, so the blocks of one put may be filled in threads side by side."""
-        return StagedBlock(b.key, b.parent, b.slot,
-                           self.table.write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent))
+        gen = self._table(b).write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent)
+        return StagedBlock(b.key, b.parent, b.slot, gen, b.granted)
 
     def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
         in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once.
         `write` may return the xxh3-64 of what it wrote, hashed piece by piece as it wrote (one
         pass); else dst is hashed here. Either way the daemon verifies the slot before use."""
-        table = self.table
+        table = self._table(b)
         dst = table.payloads()[b.slot, : table.block_bytes]
         got = write(dst)
         csum = got if type(got) is int else checksum(dst)
         gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, csum, Flags.READY, b.parent)
-        return StagedBlock(b.key, b.parent, b.slot, gen)
+        return StagedBlock(b.key, b.parent, b.slot, gen, b.granted)
 
     def staged(self, blocks: list[StagedBlock]) -> None:
         """Note when these filled (READY) blocks were staged: a slot the daemon has not released
         STAGING_RECLAIM_S later may be taken back (see _reclaimed_slot)."""
         now = time.monotonic()
         for b in blocks:
+            if b.granted:
+                self._granted_of[b.key] = b.slot
+                continue
             self._staged_at[b.slot] = now
             self._slot_of[b.key] = b.slot
         if len(self._slot_of) > 2 * self.table.n:  # forget keys whose slots were staged again since
             self._slot_of = {k: s for k, s in self._slot_of.items() if self.table.header(s).key == k}
+        if len(self._granted_of) > 1024:  # the daemon has adopted most of them: the directory lists them
+            self._granted_of.clear()
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot this client last staged `key` in, while it may still hold it (read your own
@@ -124,11 +165,25 @@ class StagingWriter:
         written again since, so a read must verify it under the seqlock, flags READY."""
         return self._slot_of.get(key)
 
-    def unstage(self, staged: list[StagedBlock]) -> None:
+    def granted_slot_of(self, key: bytes) -> int | None:
+        """As slot_of, for a block this client wrote into a granted arena slot (read there with
+        flags READY until the daemon flips it VALID and lists it)."""
+        return self._granted_of.get(key)
+
+    def unstage(self, staged: list[StagedBlock], published: bool = True) -> None:
         """The daemon never heard of these (publishing failed, or the fill did): make the slots
-        reusable, including one left half written (odd gen)."""
+        reusable, including one left half written (odd gen). A granted slot is emptied too, and
+        kept for the next put only if its put was never `published`: one that may have reached
+        the daemon is left to it (it takes the slot back when it sees the put, or on expiry)."""
+        now = time.monotonic()
         for b in staged:
-            if (g := self.table.gen(b.slot)) % 2:
+            if b.granted and self.arena is not None:
+                if (g := self.arena.gen(b.slot)) % 2 == 0:
+                    g = self.arena.begin_write(b.slot)
+                self.arena.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
+                if not published and self._ring.epoch == self.grant_epoch:
+                    self._grants.append((b.slot, now))
+            elif (g := self.table.gen(b.slot)) % 2:
                 self.table.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
             else:
                 self.table.set_flags(b.slot, Flags.EMPTY)
@@ -139,7 +194,7 @@ class StagingWriter:
         table = self.table
         h = table.headers(0, table.n)
         free = np.flatnonzero((h["flags"] == Flags.EMPTY) & (h["gen"] % 2 == 0))
-        if not free.size:
+        if not free.size or most <= 0:
             return []
         start = int(np.searchsorted(free, self._cursor % table.n))
         picked: list[int] = np.concatenate((free[start:], free[:start]))[:most].tolist()

@@ -167,14 +167,26 @@ class StagingSegments:
 
     def get(self, name: str, block_bytes: int) -> StagingFile:
         """The staging segment `name`, opened and validated; SegmentError if it cannot be used."""
+        f = self.open_unchecked(name)
+        if f.block_bytes != block_bytes:
+            raise SegmentError(f"staging {name} holds blocks of {f.block_bytes} bytes, pool needs {block_bytes}")
+        return f
+
+    def open_unchecked(self, name: str) -> StagingFile:
+        """The staging segment `name`, opened and validated, whatever its pool."""
         f = self._open.get(name)
         if f is None:
             if not self._name_re.fullmatch(name):
                 raise SegmentError(f"{name!r} is not a staging segment of this node")
             f = self._open[name] = StagingFile.open(name)
-        if f.block_bytes != block_bytes:
-            raise SegmentError(f"staging {name} holds blocks of {f.block_bytes} bytes, pool needs {block_bytes}")
         return f
+
+    def present(self) -> set[str]:
+        """The staging segments of this node in /dev/shm now."""
+        try:
+            return {p.name for p in SHM_DIR.iterdir() if self._name_re.fullmatch(p.name)}
+        except OSError:
+            return set()
 
     def release(self, name: str, block_bytes: int, slot: int, gen: int) -> bool:
         return self.release_many(name, block_bytes, [(slot, gen)]) == 1
@@ -186,16 +198,16 @@ class StagingSegments:
             self.log.warning("staging.release_failed", segment=name, slots=[s for s, _ in slots][:8], error=str(e))
             return 0
 
-    def reap(self, on_drops: Callable[[bytes, int], None] | None = None) -> int:
+    def reap(self, on_drops: Callable[[bytes, int], None] | None = None,
+             on_gone: Callable[[str], None] | None = None) -> int:
         """Count what each client dropped (`on_drops(fingerprint, blocks)`), unlink staging
         segments whose client died or closed them with drops to count, and forget those their
-        client removed."""
-        try:
-            present = {p.name for p in SHM_DIR.iterdir() if self._name_re.fullmatch(p.name)}
-        except OSError:
-            return 0
+        client removed; `on_gone(name)` for each segment forgotten or unlinked."""
+        present = self.present()
         for name in [n for n in self._open if n not in present]:  # the client closed it
             self._open.pop(name).close()
+            if on_gone is not None:
+                on_gone(name)
         reaped = 0
         for name in present:
             pid = int(name[len(self._prefix):].split(".")[0])
@@ -205,6 +217,8 @@ class StagingSegments:
             f = self._open.pop(name, None)
             if f is not None:
                 f.close()
+            if on_gone is not None:
+                on_gone(name)
             try:
                 (SHM_DIR / name).unlink()
             except FileNotFoundError:

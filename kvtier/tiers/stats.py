@@ -50,6 +50,8 @@ class PoolCounters:
     # Blocks clients could not hand over at all (staging full, the bus down): counted by the
     # clients in their staging segments, collected by the staging reaper.
     client_puts_dropped: int = 0
+    granted_puts: int = 0  # of the puts, blocks clients wrote into granted cpu slots themselves (one pass)
+    grants_reclaimed: int = 0  # granted cpu slots taken back unused: client gone, expired, a duplicate, a bad header
     remote_reads: int = 0  # blocks clients read straight from Redis (read-through)
     resync_missing: int = 0  # local blocks the re-replication sweep found missing in Redis
     resync_copies: int = 0  # of those, copied to Redis again (write-through)

@@ -37,6 +37,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_moves import DiskMoves
 from kvtier.tiers.evicting import Evictions
 from kvtier.tiers.facts import Fact, Facts, Received
+from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime, SlotTier
 from kvtier.tiers.redis_batch import Got, QueuedGet, QueuedSet, RedisBatch
@@ -54,8 +55,9 @@ class TierWorker:
     def __init__(self, tier: Tier, pools: dict[str, PoolRuntime], staging: StagingSegments,
                  publisher: FactPublisher, facts_stream: str, log: FilteringBoundLogger, *,
                  off_loop_bytes: int = 256 << 10, flush_bytes: int = 32 << 20, copy_threads: int = 1,
-                 failpoints: Failpoints | None = None) -> None:
+                 failpoints: Failpoints | None = None, grants: GrantBook | None = None) -> None:
         self.tier = tier
+        self.grants = grants if tier == Tier.CPU else None  # cpu slots granted to clients ahead of puts
         self.pools = pools
         self.staging = staging
         self.publisher = publisher
@@ -104,7 +106,10 @@ class TierWorker:
             # outcome was reported the first time, or it was overtaken; applying it now would
             # undo a newer decision (re-add an evicted block, drop one that came back).
             rt.counters.tiers[self.tier.label].stale += 1
-            if isinstance(ev, Store):
+            if isinstance(ev, Store) and ev.granted:
+                if self.grants is not None:
+                    self.grants.give_back(rt, ev.segment, ev.slot)
+            elif isinstance(ev, Store):
                 self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
             self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                           epoch=stamp[0], seq=stamp[1])
@@ -131,6 +136,8 @@ class TierWorker:
         outcome in one pipeline."""
         try:
             await self._drain()
+            if self.grants is not None:
+                await self.grants.top_up(self._make_room)
         except BaseException:
             self.applied.discard()
             self._fences.clear()
@@ -164,6 +171,13 @@ class TierWorker:
         for r, value in got:
             self.facts.report(r.rt, await self._promoted(r.rt, r.ev, value, r.t0), r.t0)
 
+    async def _make_room(self, rt: PoolRuntime) -> bool:
+        """Free one cpu slot for a grant by dropping a clean block (reported like any eviction)."""
+        dropped = await self.evictions.make_room(rt, rt.cpu)
+        if dropped is not None:
+            self.facts.add(dropped)
+        return dropped is not None
+
     def _retire_failed_disk(self, rt: PoolRuntime) -> None:
         """The pool's disk tier met an I/O error (in this worker or another): turn it off, with
         one log line; its blocks are reported removed, and the other tiers keep serving."""
@@ -190,10 +204,17 @@ class TierWorker:
         bb = rt.layout.block_bytes
         try:
             staging = self.staging.get(ev.segment, bb)
-            if not 0 <= ev.slot < staging.n:
-                raise SegmentError(f"slot {ev.slot} outside staging of {staging.n} slots")
+            if not 0 <= ev.slot < (dst.capacity if ev.granted and dst is not None else staging.n):
+                raise SegmentError(f"slot {ev.slot} outside {'the arena' if ev.granted else 'staging'}")
         except SegmentError as e:
             return self.facts.settle(rt, failed(ev, self.tier, Failure.BAD_STAGING), ev, str(e))
+        if ev.granted:  # written by the client into a cpu slot granted to it
+            if self.grants is None or dst is not rt.cpu or rt.cpu.device_payload is not None:
+                raise MalformedEvent("a granted store goes to the cpu worker of a host-memory arena")
+            outcome, detail = self.grants.adopt(rt, ev)
+            return self.facts.settle(rt, outcome, ev, detail)
+        if self.grants is not None and dst is rt.cpu:
+            self.grants.want(rt.name, ev.segment)  # its next puts may write their cpu slots themselves
         if (here := held(rt.placement, ev, self.tier)) is not None:  # a duplicate, or another client put it first
             self.staging.release(ev.segment, bb, ev.slot, ev.gen)
             return self.facts.settle(rt, here, ev)

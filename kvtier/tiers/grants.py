@@ -1,0 +1,193 @@
+"""Cpu arena slots granted to clients ahead of their puts: the daemon's book of them.
+
+A client with a grant writes its block straight into the final arena slot (kvtier/shm/grant_ring.py
+has the ring that carries grants to it): one pass over the bytes, where staging costs two, and
+the daemon never touches the payload. Its put names the slot; the cpu worker checks the header
+(READY, key, gen, length) and flips it to VALID (`adopt`). Readers verify the checksum the client
+wrote, as they verify every block, so a client that lies or keeps writing costs its own block (a
+miss), never another's bytes.
+
+The book is the truth: a slot is adopted only if this daemon granted it to that very segment
+and it was not adopted or taken back since. Grants are slots of the pool's index under no key
+(kvtier/core/index.py), not free: at most `per_client` per segment, and a quarter of the
+arena in all (GRANT_SHARE), since a full arena frees clean blocks to grant. They come back
+when a put of a block already here hands its slot back, when the header does not check out,
+when they expire unused (GRANT_EXPIRE_S), and when the client dies or closes its segment
+(`forget`, from the reaper): a fill that died half way is emptied then.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvtier.core.events import Failure, Store, Tier
+from kvtier.core.outcomes import Outcome, failed, held, stored
+from kvtier.errors import SegmentError
+from kvtier.logs import Log
+from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RingFile
+from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotHeader
+from kvtier.shm.staging_files import StagingSegments
+from kvtier.tiers.pool import PoolRuntime
+
+GRANT_SHARE = 4  # all grants of a pool hold at most a quarter of its cpu arena
+
+
+@dataclass(slots=True)
+class Held:
+    pool: str
+    head: int  # the ring's head, as this daemon wrote it
+    slots: dict[int, float] = field(default_factory=dict)  # granted, not adopted or taken back: when
+
+
+class GrantBook:
+    def __init__(self, pools: dict[str, PoolRuntime], staging: StagingSegments, per_client: int, log: Log) -> None:
+        self.pools = pools
+        self.staging = staging
+        self.per_client = per_client  # grants each staging segment holds at most (0: none)
+        self.epoch = secrets.randbits(62) | 1  # puts carry it: one granted by an earlier daemon is refused
+        self.log = log.bind(worker="grants")
+        self._held: dict[str, Held] = {}
+        self._wanted: dict[str, str] = {}  # segment -> pool: to top up at the cpu worker's next flush
+
+    def granted(self, segment: str) -> int:
+        h = self._held.get(segment)
+        return 0 if h is None else len(h.slots)
+
+    def want(self, pool: str, segment: str) -> None:
+        """The segment's client puts into this pool's cpu tier: grant it slots at the next top-up."""
+        if self.per_client and self.pools[pool].cpu.device_payload is None:
+            self._wanted[segment] = pool
+
+    def take(self, pool: str, segment: str, slot: int) -> bool:
+        """Take `slot` out of the book for a put naming it: False unless this daemon granted it to
+        `segment` for `pool` and has not taken it since."""
+        h = self._held.get(segment)
+        if h is None or h.pool != pool or slot not in h.slots:
+            return False
+        del h.slots[slot]
+        return True
+
+    def release(self, rt: PoolRuntime, slot: int) -> None:
+        """A slot taken from the book that holds no block to keep: emptied, then free again."""
+        rt.cpu.table.invalidate(slot)
+        rt.placement.ungrant(Tier.CPU, slot)
+        rt.counters.grants_reclaimed += 1
+
+    def give_back(self, rt: PoolRuntime, segment: str, slot: int) -> bool:
+        """A put wrote a block that is here already into its granted slot: the slot is freed,
+        and the client gets a grant in its place at the next top-up."""
+        if not self.take(rt.name, segment, slot):
+            return False
+        self.release(rt, slot)
+        self.want(rt.name, segment)
+        return True
+
+    def adopt(self, rt: PoolRuntime, ev: Store) -> tuple[Outcome, str]:
+        """A put the client wrote into granted slot `ev.slot`: checked in its header and made
+        visible, the payload untouched. The outcome, and what the failure met ("" if none)."""
+        e = rt.cpu.index.get(ev.key)
+        if e is not None and e.slot == ev.slot and (here := held(rt.placement, ev, Tier.CPU)) is not None:
+            return here, ""  # adopted already: a redelivery
+        if not self.take(rt.name, ev.segment, ev.slot):
+            return failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} is not granted to {ev.segment}"
+        self.want(rt.name, ev.segment)
+        if (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
+            self.release(rt, ev.slot)
+            return here, ""
+        table, bb = rt.cpu.table, rt.layout.block_bytes
+        h = table.header(ev.slot)
+        entry = rt.placement.claim(Tier.CPU, ev.slot, ev.key, ev.parent) \
+            if self.written(h, ev.key, ev.gen, bb) else None
+        if entry is None or h is None:
+            self.release(rt, ev.slot)
+            return failed(ev, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"
+        # READY -> VALID under the seqlock: a reader that overlaps the flip misses, and every
+        # reader checks the payload against the checksum the client wrote.
+        table.end_write(ev.slot, table.begin_write(ev.slot), ev.key, bb, h.checksum, Flags.VALID, ev.parent)
+        rt.finish(rt.cpu, entry)
+        rt.counters.granted_puts += 1
+        return stored(ev, Tier.CPU, ev.slot), ""
+
+    @staticmethod
+    def written(h: SlotHeader | None, key: bytes, gen: int, block_bytes: int) -> bool:
+        """Header `h` shows the client's block (key, gen) written whole and READY."""
+        return (h is not None and h.magic == SLOT_MAGIC and h.flags == Flags.READY and h.gen == gen
+                and gen % 2 == 0 and h.key == key and h.length == block_bytes)
+
+    async def top_up(self, make_room: Callable[[PoolRuntime], Awaitable[bool]]) -> int:
+        """Grant the wanted segments free cpu slots up to `per_client` each, freeing clean blocks
+        with `make_room(rt)` where none is free. How many were granted."""
+        wanted, self._wanted = self._wanted, {}
+        total = 0
+        for segment, pool in wanted.items():
+            rt = self.pools[pool]
+            try:
+                ring = RingFile(self.staging.get(segment, rt.layout.block_bytes).fd)
+                h = self._held.get(segment)
+                if h is None:
+                    head = ring.begin(self.epoch)
+                    if head is None:
+                        continue
+                    h = self._held[segment] = Held(pool, head)
+                if h.pool != pool:
+                    continue
+                idx = rt.placement.tiers[Tier.CPU]
+                share = (idx.slots or 0) // GRANT_SHARE - idx.granted
+                n = min(self.per_client - len(h.slots), ring.room(h.head), share)
+                slots = rt.placement.grant(Tier.CPU, n) if n > 0 else []
+                while len(slots) < n and await make_room(rt):
+                    slots += rt.placement.grant(Tier.CPU, n - len(slots))
+                if self._held.get(segment) is not h:  # forgotten meanwhile: the client went
+                    for slot in slots:
+                        rt.placement.ungrant(Tier.CPU, slot)
+                    continue
+                now = time.monotonic()
+                h.slots.update((s, now) for s in slots)  # booked first: a push that fails leaves them to `forget`
+                if slots:
+                    h.head = ring.push(h.head, slots)
+                total += len(slots)
+            except (SegmentError, OSError) as e:
+                self.log.warning("grants.top_up_failed", segment=segment, error=str(e))
+        return total
+
+    def renew(self, segments: list[str]) -> None:
+        """At start, before serving: stamp this daemon's epoch on every client's ring, so that a
+        client drops the grants an earlier daemon gave it before it writes into them."""
+        for name in segments:
+            try:
+                f = self.staging.open_unchecked(name)
+            except (SegmentError, OSError):
+                continue
+            try:
+                RingFile(f.fd).begin(self.epoch)
+            except OSError:
+                continue
+
+    def expire(self, now: float | None = None) -> int:
+        """Take back grants older than GRANT_EXPIRE_S that no put has named (the client stops
+        writing into a grant well before: kvtier/shm/grant_ring.py). How many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for segment, h in self._held.items():
+            old = [slot for slot, at in h.slots.items() if now - at > GRANT_EXPIRE_S]
+            for slot in old:
+                self.take(h.pool, segment, slot)
+                self.release(self.pools[h.pool], slot)
+                self._wanted[segment] = h.pool
+            n += len(old)
+        return n
+
+    def forget(self, segment: str) -> None:
+        """The segment's client died or closed it: every slot still granted to it is emptied (a
+        fill it died in the middle of included) and freed."""
+        self._wanted.pop(segment, None)
+        h = self._held.pop(segment, None)
+        if h is None or (rt := self.pools.get(h.pool)) is None:
+            return
+        for slot in h.slots:
+            self.release(rt, slot)
+        if h.slots:
+            self.log.info("grants.reclaimed", segment=segment, pool=h.pool, slots=len(h.slots))
