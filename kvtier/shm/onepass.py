@@ -6,6 +6,11 @@ cost little more than the copy alone. A separate hash pass over a 2 MiB block re
 memory a second time (0.63x memcpy here, against 0.82x in pieces: docs/performance.md has the
 curve). xxh3's streaming form gives the same digest as the one-shot `checksum`, so slots written
 either way verify either way.
+
+Always the private side is hashed: a read hashes its own copy (the slot may change under it), a
+write hashes its source (`hash_src`), never the shared slot it writes. Two processes may write
+one slot at once (a granted slot: kvtier/tiers/grants.py), and a hash of the slot could then
+certify a mix of both; a hash of the source certifies only bytes this writer wrote.
 """
 
 from __future__ import annotations
@@ -40,25 +45,28 @@ def checksum_stream() -> xxhash.xxh3_64:
     return xxhash.xxh3_64()
 
 
-def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any]) -> int:
-    """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of dst."""
+def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any], *, hash_src: bool = False) -> int:
+    """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of what
+    landed in dst (a read), or with `hash_src` of what was copied from src (a write)."""
     flat = src if src.dtype == np.uint8 and src.ndim == 1 else src.reshape(-1).view(np.uint8)
     if dst.nbytes <= PIECE:
         np.copyto(dst, flat)
-        return xxhash.xxh3_64_intdigest(dst)  # type: ignore[arg-type]  # an array is a buffer (see HashInput)
+        return xxhash.xxh3_64_intdigest(flat if hash_src else dst)  # type: ignore[arg-type]  # see HashInput
     h = xxhash.xxh3_64()
-    copy_streamed(h, dst, flat)
+    copy_streamed(h, dst, flat, hash_src=hash_src)
     return h.intdigest()
 
 
-def copy_streamed(h: xxhash.xxh3_64, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
+def copy_streamed(h: xxhash.xxh3_64, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], *,
+                  hash_src: bool = False) -> None:
     """Copy src into dst (both flat uint8 of the same size) a piece at a time, feeding each piece
-    to the stream `h` as it lands: for a block that lands in several runs (a strided page), one
-    stream over all of them."""
+    to the stream `h` right after its copy, while it is in cache: the piece as it landed in dst
+    (a read), or with `hash_src` as it was read from src (a write into shared memory). For a
+    block that lands in several runs (a strided page), one stream over all of them."""
     for off in range(0, dst.nbytes, PIECE):
-        piece = dst[off:off + PIECE]
-        np.copyto(piece, src[off:off + PIECE])
-        h.update(cast("ReadableBuffer", piece))
+        piece, source = dst[off:off + PIECE], src[off:off + PIECE]
+        np.copyto(piece, source)
+        h.update(cast("ReadableBuffer", source if hash_src else piece))
 
 
 def pread_hashed(fd: int, dst: npt.NDArray[np.uint8], offset: int) -> tuple[int, int]:

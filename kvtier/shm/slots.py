@@ -259,7 +259,7 @@ class SlotTable:
         dst = self.payloads()[slot, :length]
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
         if csum is None:
-            csum = copy_hashed(dst, src)  # one pass: each piece hashed while still in cache
+            csum = copy_hashed(dst, src, hash_src=True)  # one pass; the source hashed, never the slot
         else:
             np.copyto(dst, src.reshape(-1).view(np.uint8))
         return self.end_write(slot, g, key, length, csum, flags, parent)

@@ -135,8 +135,11 @@ class StagingWriter:
     def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
         in place: a caller whose block is scattered (vLLM's per-layer pages) copies it once.
-        `write` may return the xxh3-64 of what it wrote, hashed piece by piece as it wrote (one
-        pass); else dst is hashed here. Either way the daemon verifies the slot before use."""
+        `write` may return the xxh3-64 of what it wrote, hashed piece by piece from its own
+        source as it wrote (one pass); else dst is hashed here, in the slot. A staging slot has
+        no other writer; a granted arena slot could, if a client misbehaved or outlived a
+        daemon restart mid-write (kvtier/tiers/grants.py), so a fill that hashes its source is
+        the safe one there."""
         table = self._table(b)
         dst = table.payloads()[b.slot, : table.block_bytes]
         got = write(dst)

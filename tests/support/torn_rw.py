@@ -1,6 +1,6 @@
 """Writer and reader processes for the cross-process torn-read test (tests/integration/test_torn_reads.py).
 
-    python -m tests.support.torn_rw writer ARENA CTRL BLOCK_BYTES SEED
+    python -m tests.support.torn_rw writer ARENA CTRL BLOCK_BYTES SEED [FIRST_VERSION]
     python -m tests.support.torn_rw reader ARENA BLOCK_BYTES READS SEED DEADLINE_S [BATCH]
 
 A reader with BATCH > 1 reads BATCH (slot, key) picks at a time through `SlotTable.read_rows`, the
@@ -50,14 +50,17 @@ def bodies(block_bytes: int) -> list[np.ndarray]:
     return out
 
 
-def _writer(arena: str, ctrl_name: str, block_bytes: int, seed: int) -> dict:
+def _writer(arena: str, ctrl_name: str, block_bytes: int, seed: int, first_version: int = 0) -> dict:
+    """Rewrites random slots with random keys until told to stop. Two writers on one arena (the
+    daemon and a client writing a granted slot, or a client that keeps writing one) number
+    their versions apart (`first_version`), so every payload still says who wrote it."""
     table = SlotTable.open(ShmSegment.attach(arena, writable=True), Kind.ARENA, block_bytes=block_bytes)
     ctrl = ShmSegment.attach(ctrl_name)
     body = bodies(block_bytes)
     buf = np.empty(block_bytes // 8, np.uint64)
     raw = buf.view(np.uint8)
     rng = random.Random(seed)
-    v = short = 0
+    v, short = first_version, 0
     while True:
         if v % STOP_CHECK_EVERY == 0 and ctrl.buf[0]:
             break
@@ -72,7 +75,7 @@ def _writer(arena: str, ctrl_name: str, block_bytes: int, seed: int) -> dict:
         else:
             table.write(slot, KEYS[ki], raw[:-8])
             short += 1
-    return {"writes": v, "short_writes": short}
+    return {"writes": v - first_version, "short_writes": short}
 
 
 def _pick(rng: random.Random, n: int, buf: memoryview, i: int) -> tuple[int, bytes]:
@@ -161,7 +164,7 @@ def _reader(arena: str, block_bytes: int, reads: int, seed: int, deadline_s: flo
 
 def main(argv: list[str]) -> None:
     if argv[0] == "writer":
-        res = _writer(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        res = _writer(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else 0)
     else:
         res = _reader(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]),
                       int(argv[6]) if len(argv) > 6 else 1)

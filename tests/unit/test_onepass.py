@@ -20,6 +20,11 @@ def test_copy_hashed_lands_the_bytes_and_their_checksum(n: int) -> None:
     dst = np.zeros(n, np.uint8)
     assert copy_hashed(dst, src) == checksum(src)
     assert np.array_equal(dst, src)
+    # A write hashes its source (the private side), piece by piece too: the same digest. (That it
+    # is the source and not the shared slot is what tests/integration/test_torn_reads.py's two
+    # writers check: hashing the slot let a mix of two writers' bytes through.)
+    again = np.zeros(n, np.uint8)
+    assert copy_hashed(again, src, hash_src=True) == checksum(src) and np.array_equal(again, src)
     wide = np.random.default_rng(n).integers(0, 1 << 16, (n + 1) // 2, dtype=np.uint16)  # any dtype, as bytes
     out = np.zeros(wide.nbytes, np.uint8)
     assert copy_hashed(out, wide) == checksum(wide.view(np.uint8)) and np.array_equal(out, wide.view(np.uint8))
@@ -33,6 +38,10 @@ def test_copy_streamed_over_runs_is_one_checksum() -> None:
     for a, b in zip(cuts, cuts[1:]):
         copy_streamed(h, dst[a:b], src[a:b])
     assert h.intdigest() == checksum(src) and np.array_equal(dst, src)
+    h, out = checksum_stream(), np.zeros_like(src)
+    for a, b in zip(cuts, cuts[1:]):
+        copy_streamed(h, out[a:b], src[a:b], hash_src=True)
+    assert h.intdigest() == checksum(src) and np.array_equal(out, src)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -70,11 +70,13 @@ def copy_in(dst: U8, src: U8) -> int:
 
 
 def copy_out(dst: U8, src: U8) -> int:
-    """A page view of any strides -> block bytes (flat); the xxh3 of dst, hashed as it landed."""
+    """A page view of any strides -> block bytes (flat: a staging or granted slot); the xxh3 of
+    the page's runs as they were copied (hashed from the engine's own memory, never the shared
+    slot: kvtier/shm/onepass.py)."""
     h = checksum_stream()
     off = 0
     for run in runs(src):
-        copy_streamed(h, dst[off:off + run.size], run)
+        copy_streamed(h, dst[off:off + run.size], run, hash_src=True)
         off += run.size
     return h.intdigest()
 

@@ -130,15 +130,16 @@ class WorkerMover:
 
     def _copy_pages_out(self, g: int, b: int, dst) -> int | None:
         """vLLM block b's page of every layer of group g into dst (uint8, block_bytes: a staging
-        slot). On host pages, the xxh3 of dst, each page hashed as it lands (one pass)."""
+        or granted slot). On host pages, the xxh3 of what was copied, each page hashed from
+        vLLM's own memory right after its copy (one pass; never the shared slot: see
+        kvtier/shm/onepass.py)."""
         if self._pages is not None:  # numpy: a torch copy_ per 128 KiB page costs as much again
             pages = self._pages[g]
             step = pages[0].shape[1]
             h = checksum_stream()
             for layer, p in enumerate(pages):
-                piece = dst[layer * step:(layer + 1) * step]
-                np.copyto(piece, p[b])
-                h.update(piece)
+                np.copyto(dst[layer * step:(layer + 1) * step], p[b])
+                h.update(p[b])
             return h.intdigest()
         caches = self.groups[g]
         view = torch.from_numpy(dst).view(caches[0].dtype).view(len(caches), *self.page)
