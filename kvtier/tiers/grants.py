@@ -9,8 +9,8 @@ miss), never another's bytes.
 
 The book is the truth: a slot is adopted only if this daemon granted it to that very segment
 and it was not adopted or taken back since. Grants are slots of the pool's index under no key
-(kvtier/core/index.py), not free: at most `per_client` per segment, and a quarter of the
-arena in all (GRANT_SHARE), since a full arena frees clean blocks to grant. They come back
+(kvtier/core/index.py), not free: at most `per_client` and a sixteenth of the arena per segment,
+and a quarter of the arena in all, since a full arena frees clean blocks to grant. They come back
 when a put of a block already here hands its slot back, when the header does not check out,
 when they expire unused (GRANT_EXPIRE_S), and when the client dies or closes its segment
 (`forget`, from the reaper): a fill that died half way is emptied then.
@@ -32,7 +32,8 @@ from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotHeader
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
-GRANT_SHARE = 4  # all grants of a pool hold at most a quarter of its cpu arena
+GRANT_SHARE = 4  # all grants of a pool hold at most a quarter of its cpu arena ...
+CLIENT_SHARE = 16  # ... and one client's at most a sixteenth, so others get theirs
 
 
 @dataclass(slots=True)
@@ -135,8 +136,9 @@ class GrantBook:
                 if h.pool != pool:
                     continue
                 idx = rt.placement.tiers[Tier.CPU]
-                share = (idx.slots or 0) // GRANT_SHARE - idx.granted
-                n = min(self.per_client - len(h.slots), ring.room(h.head), share)
+                slots_all = idx.slots or 0
+                mine = min(self.per_client, slots_all // CLIENT_SHARE) - len(h.slots)
+                n = min(mine, ring.room(h.head), slots_all // GRANT_SHARE - idx.granted)
                 slots = rt.placement.grant(Tier.CPU, n) if n > 0 else []
                 while len(slots) < n and await make_room(rt):
                     slots += rt.placement.grant(Tier.CPU, n - len(slots))

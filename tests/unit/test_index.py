@@ -195,6 +195,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.model: dict[bytes, dict] = {}  # key -> {"parent", "pins", "ready", "leaving"}
         self.lru: list[bytes] = []  # READY keys, coldest first
         self.counter = 0
+        self.granted: set[int] = set()  # slots handed to clients ahead of their puts, under no key
 
     @rule(target=keys, parent=st.none() | st.integers(900, 903), commit=st.booleans())
     def reserve(self, parent: int | None, commit: bool) -> bytes:
@@ -209,7 +210,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.counter += 1
         key = k(self.counter)
         e = self.idx.reserve(key, p)
-        if len(self.model) >= CAPACITY:
+        if len(self.model) + len(self.granted) >= CAPACITY:
             assert e is None
             return key
         assert e is not None and e.state is State.PENDING
@@ -217,6 +218,37 @@ class IndexMachine(RuleBasedStateMachine):
         if commit:
             self.commit(key)
         return key
+
+    @rule(n=st.integers(0, 3))
+    def grant(self, n: int) -> None:
+        got = self.idx.grant(n)
+        assert len(got) == min(n, CAPACITY - len(self.model) - len(self.granted))
+        assert not set(got) & self.granted
+        self.granted.update(got)
+
+    @rule(data=st.data(), parent=st.none() | st.integers(900, 903), commit=st.booleans())
+    def claim(self, data: st.DataObject, parent: int | None, commit: bool) -> None:
+        """A client's put lands in a granted slot (or names one that is not granted: refused)."""
+        slot = data.draw(st.sampled_from(sorted(self.granted)) if self.granted and data.draw(st.booleans())
+                         else st.integers(0, CAPACITY - 1))
+        self.counter += 1
+        key = k(self.counter)
+        e = self.idx.claim(slot, key, None if parent is None else k(parent))
+        if slot not in self.granted:
+            assert e is None
+            return
+        assert e is not None and e.slot == slot and e.state is State.PENDING
+        self.granted.discard(slot)
+        self.model[key] = {"parent": None if parent is None else k(parent), "pins": 0, "ready": False,
+                           "leaving": False}
+        if commit:
+            self.commit(key)
+
+    @rule(data=st.data())
+    def ungrant(self, data: st.DataObject) -> None:
+        slot = data.draw(st.integers(0, CAPACITY - 1))
+        assert self.idx.ungrant(slot) == (slot in self.granted)
+        self.granted.discard(slot)
 
     @rule(key=keys)
     def commit(self, key: bytes) -> None:
@@ -279,11 +311,12 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def matches_model(self) -> None:
         idx = self.idx
-        assert idx.used == len(self.model) <= CAPACITY
-        assert idx.free + idx.used == CAPACITY
+        assert idx.used == len(self.model) and idx.granted == len(self.granted)
+        assert idx.free + idx.used + idx.granted == CAPACITY
         slots = [idx.get(key).slot for key in self.model]
         assert len(set(slots)) == len(slots) and all(0 <= s < CAPACITY for s in slots)
-        assert not set(slots) & set(idx._free)
+        assert not set(slots) & set(idx._free) and not set(slots) & self.granted  # a slot has one owner
+        assert not self.granted & set(idx._free)
         assert [e.key for e in idx.ready()] == self.lru
         for key, m in self.model.items():
             e = idx.get(key)

@@ -46,6 +46,24 @@ def test_admit_duplicates_are_none_but_redis_only_blocks_are_admitted() -> None:
     assert p.admit([k(1), k(2), k(3), k(4), k(5)], NOW) == [None, None, None, Tier.CPU, Tier.CPU]
 
 
+def test_granted_blocks_go_to_cpu_whatever_the_room_and_the_rest_is_admitted_after_them() -> None:
+    """A put's leading blocks written into granted cpu slots (kvtier/tiers/grants.py) go to the
+    cpu tier, where their bytes are, even with gpu room and with no free cpu slot (the grants
+    hold their slots); duplicates are None (the slot is handed back); the rest of the chain is
+    admitted as any put, and a granted block does not take its room."""
+    p = placement(gpu=2, cpu=3)
+    slots = p.grant(Tier.CPU, 3)
+    assert len(slots) == 3 and p.room(Tier.CPU) == 0 and p.tiers[Tier.CPU].used == 0
+    put(p, Tier.GPU, [2])
+    got = p.admit([k(1), k(2), k(3), k(4), k(5)], NOW, granted=3)
+    assert got == [Tier.CPU, None, Tier.CPU, Tier.GPU, OVERFLOW]
+    assert p.incoming(Tier.CPU) == 2  # in flight until their facts, like any admitted block
+    assert p.admit([k(1), k(6)], NOW, granted=1) == [None, OVERFLOW]  # on its way already
+    e = p.claim(Tier.CPU, slots[0], k(1), None)
+    assert e is not None and e.slot == slots[0] and p.claim(Tier.CPU, slots[0], k(9), None) is None
+    assert p.ungrant(Tier.CPU, slots[1]) and not p.ungrant(Tier.CPU, slots[1]) and p.tiers[Tier.CPU].free == 1
+
+
 def test_a_chain_that_does_not_fit_keeps_its_head_by_dropping_colder_clean_tails() -> None:
     """Issue 25: the head of a new chain stays local; room for it comes from colder chains' tail
     blocks that Redis holds (the worker drops them: room_victim), and only the tail spills."""
