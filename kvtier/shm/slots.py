@@ -6,12 +6,18 @@ Segment layout:
     [payload_off, ...)        n payloads of `stride` bytes (absent when the payload lives on a GPU)
 
 Slot header (128 bytes): magic u32 | flags u32 | gen u64 | key 32s | length u64 | checksum u64 |
-parent 32s (all zero for a chain head) | padding. The parent lets a restarted daemon rebuild the
-prefix links of its index from the headers alone.
+parent 32s (all zero for a chain head) | tag u64 | padding. The parent lets a restarted daemon
+rebuild the prefix links of its index from the headers alone. The tag (`key_tag`) binds the key
+to the checksum: two writers of one slot at once (a granted slot: kvtier/tiers/grants.py) can
+leave a header that mixes one's key with the other's checksum, which the payload check alone
+would accept as the wrong block; a reader accepts a header only if its tag matches.
 `gen` is a seqlock: a writer makes it odd, writes, then makes it even again. A reader records
 an even gen, copies, re-reads gen and verifies key, length and the xxh3 checksum of *its copy*.
 So a torn, evicted or reused slot reads as a miss, never as wrong bytes. Each slot has one
-writer at a time: the daemon, or for a staging slot the client until it marks the slot READY.
+writer at a time by protocol: the daemon, for a staging slot the client until it marks the slot
+READY, for a granted arena slot the client until it marks it READY and then the daemon. Were two
+to write at once anyway, a reader still accepts only bytes one writer hashed from its own
+source under a header whose tag binds key and checksum: a miss, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -50,12 +56,14 @@ PAGE = 4096
 _HDR = struct.Struct("<IIQ32sQQ32s")
 SLOT_HEADER = _HDR  # public: readers that go through a file descriptor parse it too
 _GEN = struct.Struct("<Q")
+_TAG = struct.Struct("<Q")
+TAG_OFF = _HDR.size  # the tag follows the parent
 _FLAGS = struct.Struct("<I")
 LAYOUT_VERSION = 1
 EMPTY_KEY = bytes(32)
 # The slot header as a numpy record, for scanning a million headers without a Python loop.
 HEADER_DTYPE = np.dtype([("magic", "<u4"), ("flags", "<u4"), ("gen", "<u8"), ("key", "V32"), ("length", "<u8"),
-                         ("checksum", "<u8"), ("parent", "V32"), ("pad", "V32")])
+                         ("checksum", "<u8"), ("parent", "V32"), ("tag", "<u8"), ("pad", "V24")])
 assert HEADER_DTYPE.itemsize == SLOT_HDR and _HDR.size <= SLOT_HDR
 
 
@@ -88,6 +96,11 @@ class SlotHeader(NamedTuple):
     @property
     def parent_key(self) -> bytes | None:
         return None if self.parent == EMPTY_KEY else self.parent
+
+
+def key_tag(key: bytes, csum: int) -> int:
+    """The header's tag: binds `key` to the payload checksum `csum` (see the module's docstring)."""
+    return xxhash.xxh3_64_intdigest(key + csum.to_bytes(8, "little"))
 
 
 def checksum_parts(parts: Iterable[HashInput]) -> int:
@@ -232,6 +245,7 @@ class SlotTable:
         """Publish key, length, checksum and parent, then make gen even. Returns the new even gen."""
         off = self._off(slot)
         _HDR.pack_into(self.seg.buf, off, SLOT_MAGIC, flags, odd_gen, key, length, csum, parent or EMPTY_KEY)
+        _TAG.pack_into(self.seg.buf, off + TAG_OFF, key_tag(key, csum))
         _GEN.pack_into(self.seg.buf, off + 8, odd_gen + 1)
         return odd_gen + 1
 
@@ -268,9 +282,11 @@ class SlotTable:
 
     def begin_read(self, slot: int, key: bytes, flags: int = Flags.VALID) -> tuple[int, int] | None:
         """(gen, checksum) when the slot holds `key` as a complete block, else None."""
-        h = SlotHeader(*_HDR.unpack_from(self.seg.buf, self._off(slot)))
+        off = self._off(slot)
+        h = SlotHeader(*_HDR.unpack_from(self.seg.buf, off))
         if (h.magic != SLOT_MAGIC or h.gen % 2 or h.flags != flags or h.key != key
-                or h.length != self.block_bytes):
+                or h.length != self.block_bytes
+                or _TAG.unpack_from(self.seg.buf, off + TAG_OFF)[0] != key_tag(key, h.checksum)):
             return None
         return h.gen, h.checksum
 
@@ -306,8 +322,11 @@ class SlotTable:
                & (before["key"] == want) & (before["length"] == self.block_bytes))
         payloads, bb = self.payloads(), self.block_bytes
         sums = [0] * len(keys)
-        slots_at = idx.tolist()
+        slots_at, tags, csums = idx.tolist(), before["tag"].tolist(), before["checksum"].tolist()
         for j in np.flatnonzero(ok).tolist():
+            if tags[j] != key_tag(keys[j], csums[j]):
+                ok[j] = False  # a header whose key and checksum are not one writer's: a miss
+                continue
             sums[j] = copy_hashed(out[rows[j]], payloads[slots_at[j], :bb])
         after = h[idx]
         ok &= ((after["gen"] == before["gen"]) & (after["key"] == want)

@@ -25,7 +25,7 @@ from kvtier.core.residency import Residency
 from kvtier.keys import BlockKey
 from kvtier.shm.backing import Backing
 from kvtier.shm.populate import PageFiller
-from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, checksum
+from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, checksum, key_tag
 from kvtier.tiers.local import LocalTier
 
 
@@ -120,11 +120,13 @@ class ArenaFill:
         keys, parents = h["key"].tobytes(), h["parent"].tobytes()
         for i in np.flatnonzero(whole):
             slot = lo + int(i)
-            if checksum(t.payload(slot)) != int(h["checksum"][i]):  # xxh3 drops the GIL
+            key, csum = keys[32 * i : 32 * i + 32], int(h["checksum"][i])
+            # The tag: a header one writer wrote whole (two writers of a granted slot could mix them).
+            if int(h["tag"][i]) != key_tag(key, csum) or checksum(t.payload(slot)) != csum:  # xxh3 drops the GIL
                 wipe.append(slot)
                 continue
             parent = parents[32 * i : 32 * i + 32]
-            kept.append((slot, keys[32 * i : 32 * i + 32], None if parent == EMPTY_KEY else parent))
+            kept.append((slot, key, None if parent == EMPTY_KEY else parent))
         return Prepared(chunk, kept, wipe, torn)
 
     def apply(self, p: Prepared, residency: Residency, batch: int = 1024) -> Iterator[list[Entry]]:

@@ -10,7 +10,8 @@ miss), never another's bytes.
 The book is the truth: a slot is adopted only if this daemon granted it to that very segment
 and it was not adopted or taken back since. Grants are slots of the pool's index under no key
 (kvtier/core/index.py), not free: at most `per_client` and a sixteenth of the arena per segment,
-and a quarter of the arena in all, since a full arena frees clean blocks to grant. They come back
+and a quarter of the arena in all, since a full arena frees clean blocks to grant; an arena of
+fewer than GRANT_MIN_SLOTS slots grants none. They come back
 when a put of a block already here hands its slot back, when the header does not check out,
 when they expire unused (GRANT_EXPIRE_S), and when the client dies or closes its segment
 (`forget`, from the reaper): a fill that died half way is emptied then.
@@ -34,6 +35,9 @@ from kvtier.tiers.pool import PoolRuntime
 
 GRANT_SHARE = 4  # all grants of a pool hold at most a quarter of its cpu arena ...
 CLIENT_SHARE = 16  # ... and one client's at most a sixteenth, so others get theirs
+# A smaller arena grants nothing: every slot a grant holds is one a staged put (another client's,
+# or this one's beyond its grants) cannot use, which in a toy arena turns fits into failed stores.
+GRANT_MIN_SLOTS = 256
 
 
 @dataclass(slots=True)
@@ -137,6 +141,8 @@ class GrantBook:
                     continue
                 idx = rt.placement.tiers[Tier.CPU]
                 slots_all = idx.slots or 0
+                if slots_all < GRANT_MIN_SLOTS:
+                    continue
                 mine = min(self.per_client, slots_all // CLIENT_SHARE) - len(h.slots)
                 n = min(mine, ring.room(h.head), slots_all // GRANT_SHARE - idx.granted)
                 slots = rt.placement.grant(Tier.CPU, n) if n > 0 else []

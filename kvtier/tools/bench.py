@@ -59,6 +59,13 @@ def run_arena(args, url: str, workdir: Path, out: dict) -> None:
     header_scan_row(slots, out)
 
 
+def arena_blocks(n: int, quick: bool) -> int:
+    """Arena slots for a working set of n blocks: below the high watermark, so nothing is shed;
+    and, but with --quick, at least 2,048, so that a client's grants (kvtier/tiers/grants.py: a
+    sixteenth of the arena at most, 128 by default) are not cut by a toy arena's size."""
+    return int(n / 0.85) + 16 if quick else max(int(n / 0.85) + 16, 2048)
+
+
 def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> None:
     """get and put of blocks of `kib` KiB (Llama-3-8B's heads with fewer layers), 256 MiB of them
     (64 blocks with --quick), on a daemon of their own, against memcpy of the same bytes."""
@@ -67,7 +74,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
     n = 64 if quick else (256 << 20) // bb
     say(f"get and put of {n} blocks of {kib} KiB")
     (workdir / f"small{kib}").mkdir()
-    env = Env(layout, int(n / 0.85) + 16, workdir / f"small{kib}")
+    env = Env(layout, arena_blocks(n, quick), workdir / f"small{kib}")
     try:
         row = asyncio.run(small_block_rows(env, n, repeat))
     finally:
@@ -85,7 +92,7 @@ def run_arena_bench(args) -> int:
     out: dict = {"quick": args.quick, "blocks": n, "block_bytes": bb}
     out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        env = Env(layout, int(n / 0.85) + 16, Path(tmp))
+        env = Env(layout, arena_blocks(n, args.quick), Path(tmp))
         try:
             say(f"get and put over {n} blocks, arena on /dev/shm's pages")
             asyncio.run(daemon_rows(env, n, repeat, out))
@@ -94,7 +101,8 @@ def run_arena_bench(args) -> int:
             env.close()
         if args.arena_huge_dir:
             (Path(tmp) / "huge").mkdir()
-            env = Env(layout, int(n / 0.85) + 16, Path(tmp) / "huge", policy_toml=arena_toml(args.arena_huge_dir))
+            env = Env(layout, arena_blocks(n, args.quick), Path(tmp) / "huge",
+                      policy_toml=arena_toml(args.arena_huge_dir))
             try:
                 say(f"get and put over {n} blocks, arena on 2 MiB pages ({args.arena_huge_dir})")
                 huge: dict = {}
@@ -125,7 +133,7 @@ def run_bench(args) -> int:
     say(f"memcpy bound over {n * bb / (1 << 20):.0f} MiB")
     out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        env = Env(layout, int(n / 0.85) + 16, Path(tmp))  # below the high watermark: nothing is shed
+        env = Env(layout, arena_blocks(n, quick), Path(tmp))
         try:
             say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
             asyncio.run(daemon_rows(env, n, repeat, out))

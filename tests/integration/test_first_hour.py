@@ -140,7 +140,7 @@ def test_a_client_in_a_redis_outage_logs_a_line_and_a_count_not_a_line_per_reque
 
 
 async def test_blocks_a_client_could_not_hand_over_reach_the_daemons_counters(daemon_factory):
-    d = daemon_factory(gpu=0, cpu=64)
+    d = daemon_factory(gpu=0, cpu=64, extra="grant_blocks = 0")  # staging alone: no granted slot takes a block
     c = await Client.connect(d.runtime_dir, staging_blocks=4)
     keys = c.block_keys("t", list(range(16 * 10)))
     assert (await c.put("t", keys, make_kv(10, seed=1))).dropped == 6  # staging holds 4
