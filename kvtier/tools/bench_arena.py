@@ -169,7 +169,7 @@ def header_scan_row(slots: int, out: dict) -> None:
 
     from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
     from kvtier.daemon.pools import close_pool, open_pool
-    from kvtier.shm.slots import SLOT_MAGIC, Flags, checksum
+    from kvtier.shm.slots import SLOT_MAGIC, Flags, checksum, key_tag
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 (closed below; the pool's log lines are not the figure)
     log = structlog.wrap_logger(structlog.PrintLogger(devnull))
@@ -188,7 +188,10 @@ def header_scan_row(slots: int, out: dict) -> None:
         keys[:, :8] = np.arange(1, t.n + 1, dtype="<u8").view(np.uint8).reshape(t.n, 8)
         h["magic"], h["flags"], h["gen"], h["length"] = SLOT_MAGIC, Flags.VALID, 2, t.block_bytes
         h["key"] = keys.view("V32").reshape(t.n)
-        h["checksum"] = checksum(t.payload(0))  # every payload is zeros: one checksum fits all
+        csum = checksum(t.payload(0))  # every payload is zeros: one checksum fits all
+        h["checksum"] = csum
+        kb = keys.tobytes()  # and each header's tag binds its key to it, as end_write does
+        h["tag"] = np.fromiter((key_tag(kb[32 * i:32 * i + 32], csum) for i in range(t.n)), dtype="<u8", count=t.n)
         del h
     finally:
         close_pool(rt, persist_arena=True)
