@@ -38,8 +38,9 @@ async def _measure(a: Env, b: Env, layout: dict, chain: int, repeat: int) -> dic
         chains = []
         for r in range(repeat):
             keys = ca.block_keys("b", list(range(chain * p.layout.block_tokens)), salt=f"cold-{r}".encode())
-            res = await ca.put("b", keys, kv)
-            if res.dropped or not await ca.wait_resident("b", keys, timeout=120):  # its staging is free again
+            # wait_s: the daemon frees the last chain's staging slots just after it makes them visible.
+            res = await ca.put("b", keys, kv, wait_s=30)
+            if res.dropped or not await ca.wait_resident("b", keys, timeout=120):
                 raise RuntimeError(f"cross-node: node A did not store its chain ({res.dropped} dropped)")
             chains.append(keys)
         deadline = time.monotonic() + 120
