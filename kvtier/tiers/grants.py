@@ -57,10 +57,6 @@ class GrantBook:
         self._held: dict[str, Held] = {}
         self._wanted: dict[str, str] = {}  # segment -> pool: to top up at the cpu worker's next flush
 
-    def granted(self, segment: str) -> int:
-        h = self._held.get(segment)
-        return 0 if h is None else len(h.slots)
-
     def want(self, pool: str, segment: str) -> None:
         """The segment's client puts into this pool's cpu tier: grant it slots at the next top-up."""
         if self.per_client and self.pools[pool].cpu.device_payload is None:

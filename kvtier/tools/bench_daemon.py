@@ -61,6 +61,7 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
     env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
         out["put"], out["get"] = await put_get(client, n, repeat)
+        out["put"]["granted_blocks"] = granted(env)
         rng = np.random.default_rng(1)
         keys = client.block_keys("b", list(range(client.pool("b").layout.block_tokens)), salt=b"bench")
         # lookup: a 32,768-token prompt (2,048 blocks of 16), hashing included
@@ -112,6 +113,14 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
         await r.delete(raw_stream)
 
 
+def granted(env: Env) -> int | None:
+    """Blocks the bench's puts wrote into granted slots (kvtier/tiers/grants.py); the rest went
+    through staging. Read once the daemon has written its stats again (every stats_interval_s)."""
+    time.sleep(1.5 * float(env.stats().get("stats_interval_s") or 1.0))
+    got = ((env.stats().get("pools") or {}).get("b") or {}).get("granted_puts")
+    return got if isinstance(got, int) else None
+
+
 def idle_row(env: Env, seconds: float, out: dict) -> None:
     pid = env.daemon.proc.pid
 
@@ -135,4 +144,5 @@ async def small_block_rows(env: Env, n: int, repeat: int) -> dict:
     env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=256) as client:
         put, get = await put_get(client, n, repeat)
+        put["granted_blocks"] = granted(env)
     return {"put": put, "get": get, "block_bytes": client.pool("b").block_bytes}

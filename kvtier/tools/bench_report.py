@@ -22,12 +22,13 @@ def table(out: dict) -> list[dict]:
         g = out["get"]["gbps"]
         row("get: cpu arena -> caller tensor", f"{g:.2f} GB/s", f"memcpy {m:.2f} GB/s", g / m, ">= 0.8x", g / m >= 0.8)
         p = out["put"]["gbps"]
-        row("put: client -> visible in cpu", f"{p:.2f} GB/s", f"memcpy {m:.2f} GB/s", p / m, ">= 0.5x", p / m >= 0.5)
+        row("put: client -> visible in cpu", f"{p:.2f} GB/s{_granted(out['put'])}", f"memcpy {m:.2f} GB/s", p / m,
+            ">= 0.5x", p / m >= 0.5)
     for kib, x in out.get("small_blocks", {}).items():
         sm = x["memcpy_gbps"]
         for op, target in (("get", 0.5), ("put", 0.3)):
             y = x[op]
-            row(f"{op}, {kib} KiB blocks", f"{y['blocks_per_s']:,.0f} blocks/s, {y['gbps']:.2f} GB/s",
+            row(f"{op}, {kib} KiB blocks", f"{y['blocks_per_s']:,.0f} blocks/s, {y['gbps']:.2f} GB/s{_granted(y)}",
                 f"memcpy {sm:.2f} GB/s", y["gbps"] / sm, f">= {target}x", y["gbps"] / sm >= target)
     if "redis" in out:
         x = out["redis"]
@@ -96,3 +97,9 @@ def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
     if not correct:
         print("kvtier bench: WRONG BYTES on a measured path (a bug: please report it)", file=sys.stderr)
     return 0 if correct else 1
+
+
+def _granted(put: dict) -> str:
+    """How many of a put row's blocks the client wrote into granted slots (the rest: staging)."""
+    n = put.get("granted_blocks")
+    return f" ({n:,} blocks through grants)" if isinstance(n, int) else ""
