@@ -226,7 +226,7 @@ class ClientPool:
             rows = host_rows(kv, len(taken))
             blocks = [w.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
         except BaseException:
-            w.unstage(taken, published=False)
+            w.unstage(taken)
             raise
         w.staged(blocks)
         return blocks

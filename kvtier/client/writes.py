@@ -137,7 +137,7 @@ class ClientWrites:
                 staged = await self._copy(lambda share: [write(i, b) for i, b in share], list(enumerate(staged)),
                                           len(staged) * p.block_bytes)
         except BaseException:
-            w.unstage(staged, published=False)
+            w.unstage(staged)
             raise
         w.staged(staged)
         bt = 4 * p.layout.block_tokens

@@ -24,10 +24,11 @@ import numpy as np
 
 GRANT_OFF = 2560
 RING = 256
-# A grant expires: the client starts no write into one it took more than GRANT_USE_S ago, and
-# the daemon takes back one it granted more than GRANT_EXPIRE_S ago and has not seen a put for
-# (a put lost with the bus, or a client that stopped putting). The gap between them is the
-# longest a write may take without its slot being taken from under it.
+# A grant expires: the client starts no write into one it took from the ring more than
+# GRANT_USE_S ago, and the daemon takes back one it has seen taken (the client's tail past it)
+# more than GRANT_EXPIRE_S ago and not named by a put since (a put lost with the bus, a client
+# that stopped putting). The gap is the longest a write may take without its slot being taken
+# from under it. A grant still in the ring is never expired: the client may take it any time.
 GRANT_USE_S = 20.0
 GRANT_EXPIRE_S = 60.0
 _HEAD = struct.Struct("<QQQQ")  # base head epoch tail

@@ -173,19 +173,16 @@ class StagingWriter:
         flags READY until the daemon flips it VALID and lists it)."""
         return self._granted_of.get(key)
 
-    def unstage(self, staged: list[StagedBlock], published: bool = True) -> None:
+    def unstage(self, staged: list[StagedBlock]) -> None:
         """The daemon never heard of these (publishing failed, or the fill did): make the slots
-        reusable, including one left half written (odd gen). A granted slot is emptied too, and
-        kept for the next put only if its put was never `published`: one that may have reached
-        the daemon is left to it (it takes the slot back when it sees the put, or on expiry)."""
-        now = time.monotonic()
+        reusable, including one left half written (odd gen). A granted slot is emptied and
+        given up: the daemon takes it back when a put names it, or when it expires (the client's
+        clock on it started when it was taken; kvtier/shm/grant_ring.py)."""
         for b in staged:
             if b.granted and self.arena is not None:
                 if (g := self.arena.gen(b.slot)) % 2 == 0:
                     g = self.arena.begin_write(b.slot)
                 self.arena.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
-                if not published and self._ring.epoch == self.grant_epoch:
-                    self._grants.append((b.slot, now))
             elif (g := self.table.gen(b.slot)) % 2:
                 self.table.end_write(b.slot, g, EMPTY_KEY, 0, 0, Flags.EMPTY)
             else:

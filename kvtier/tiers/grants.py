@@ -41,10 +41,16 @@ GRANT_MIN_SLOTS = 256
 
 
 @dataclass(slots=True)
+class Mark:
+    pos: int  # the grant's position in the client's ring
+    taken_at: float | None = None  # when this daemon first saw the client's tail past it
+
+
+@dataclass(slots=True)
 class Held:
     pool: str
     head: int  # the ring's head, as this daemon wrote it
-    slots: dict[int, float] = field(default_factory=dict)  # granted, not adopted or taken back: when
+    slots: dict[int, Mark] = field(default_factory=dict)  # granted, not adopted or taken back yet
 
 
 class GrantBook:
@@ -148,8 +154,8 @@ class GrantBook:
                     for slot in slots:
                         rt.placement.ungrant(Tier.CPU, slot)
                     continue
-                now = time.monotonic()
-                h.slots.update((s, now) for s in slots)  # booked first: a push that fails leaves them to `forget`
+                # Booked first: a push that fails leaves them to `forget`.
+                h.slots.update((s, Mark(h.head + i)) for i, s in enumerate(slots))
                 if slots:
                     h.head = ring.push(h.head, slots)
                 total += len(slots)
@@ -171,12 +177,27 @@ class GrantBook:
                 continue
 
     def expire(self, now: float | None = None) -> int:
-        """Take back grants older than GRANT_EXPIRE_S that no put has named (the client stops
-        writing into a grant well before: kvtier/shm/grant_ring.py). How many."""
+        """Take back grants the client took from its ring GRANT_EXPIRE_S ago or more and no put
+        has named since (the client starts no write into one GRANT_USE_S after taking it:
+        kvtier/shm/grant_ring.py). A grant still in the ring is the client's to take whenever it
+        puts next, so it is left: an idle client's grants stay until it puts, dies or closes.
+        How many were taken back."""
         now = time.monotonic() if now is None else now
         n = 0
         for segment, h in self._held.items():
-            old = [slot for slot, at in h.slots.items() if now - at > GRANT_EXPIRE_S]
+            try:
+                st = RingFile(self.staging.open_unchecked(segment).fd).state()
+            except (SegmentError, OSError):
+                continue  # gone: the reaper forgets it
+            if st is None:
+                continue
+            tail = st[3]  # the client's word: a tail pushed ahead only expires its own grants sooner
+            old = []
+            for slot, mark in h.slots.items():
+                if mark.taken_at is None and mark.pos < tail:
+                    mark.taken_at = now  # taken since the last sweep: its time starts now
+                elif mark.taken_at is not None and now - mark.taken_at > GRANT_EXPIRE_S:
+                    old.append(slot)
             for slot in old:
                 self.take(h.pool, segment, slot)
                 self.release(self.pools[h.pool], slot)

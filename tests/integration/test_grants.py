@@ -115,7 +115,7 @@ async def test_a_put_that_names_a_slot_not_granted_to_it_or_lies_about_its_check
             taken = wb.take_slots(liar, None)
             if taken and taken[0].granted:
                 break
-            wb.unstage(taken, published=False)
+            wb.unstage(taken)
             await put_chain(b, 5 + _, 1)
         else:
             pytest.fail("b was granted no slot")

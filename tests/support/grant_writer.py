@@ -34,7 +34,7 @@ async def main(rdir: str) -> None:
         taken = w.take_slots(mine, None)
         if len(taken) == 2 and all(b.granted for b in taken):
             break
-        w.unstage(taken, published=False)
+        w.unstage(taken)
         if time.monotonic() > deadline:
             raise SystemExit("no grants came")
         await asyncio.sleep(0.05)
