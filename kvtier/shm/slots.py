@@ -7,17 +7,14 @@ Segment layout:
 
 Slot header (128 bytes): magic u32 | flags u32 | gen u64 | key 32s | length u64 | checksum u64 |
 parent 32s (all zero for a chain head) | tag u64 | padding. The parent lets a restarted daemon
-rebuild the prefix links of its index from the headers alone. The tag (`key_tag`) binds the key
-to the checksum: two writers of one slot at once (a granted slot: kvtier/tiers/grants.py) can
-leave a header that mixes one's key with the other's checksum, which the payload check alone
-would accept as the wrong block; a reader accepts a header only if its tag matches.
+rebuild the prefix links of its index from the headers alone. The tag (`key_tag`) binds key to
+checksum: two writers of a granted slot at once could mix one's key with the other's checksum.
 `gen` is a seqlock: a writer makes it odd, writes, then makes it even again. A reader records
 an even gen, copies, re-reads gen and verifies key, length and the xxh3 checksum of *its copy*.
-So a torn, evicted or reused slot reads as a miss, never as wrong bytes. Each slot has one
-writer at a time by protocol: the daemon, for a staging slot the client until it marks the slot
-READY, for a granted arena slot the client until it marks it READY and then the daemon. Were two
-to write at once anyway, a reader still accepts only bytes one writer hashed from its own
-source under a header whose tag binds key and checksum: a miss, never wrong bytes.
+So a torn, evicted or reused slot reads as a miss, never as wrong bytes. By protocol a slot has
+one writer at a time (the daemon; a client for its staging slot, or its granted arena slot,
+until it marks it READY). Were two to write at once, a reader still accepts only bytes a writer
+hashed from its own source, under a header whose tag binds key and checksum.
 """
 
 from __future__ import annotations
@@ -96,6 +93,11 @@ class SlotHeader(NamedTuple):
     @property
     def parent_key(self) -> bytes | None:
         return None if self.parent == EMPTY_KEY else self.parent
+
+    def ready(self, key: bytes, gen: int, block_bytes: int) -> bool:
+        """A client's block (key, gen) written whole and READY (staged, or in a granted slot)."""
+        return (self.magic == SLOT_MAGIC and self.flags == Flags.READY and self.gen == gen and gen % 2 == 0
+                and self.key == key and self.length == block_bytes)
 
 
 def key_tag(key: bytes, csum: int) -> int:

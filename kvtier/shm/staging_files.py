@@ -26,7 +26,6 @@ from kvtier.shm.slots import (
     HEADER_OFF,
     SLOT_HDR,
     SLOT_HEADER,
-    SLOT_MAGIC,
     Flags,
     Kind,
     SlotHeader,
@@ -100,10 +99,7 @@ class StagingFile:
     def staged_checksum(self, h: SlotHeader | None, key: bytes, gen: int) -> int | None:
         """The checksum the client wrote for (key, gen), when header `h` shows it staged whole
         (READY, even gen, full length); else None."""
-        if (h is None or h.magic != SLOT_MAGIC or h.gen != gen or gen % 2 or h.flags != Flags.READY
-                or h.key != key or h.length != self.block_bytes):
-            return None
-        return h.checksum
+        return h.checksum if h is not None and h.ready(key, gen, self.block_bytes) else None
 
     @staticmethod
     def unchanged(h: SlotHeader | None, key: bytes, gen: int) -> bool:

@@ -29,7 +29,7 @@ from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
 from kvtier.logs import Log
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RingFile
-from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotHeader
+from kvtier.shm.slots import Flags
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
@@ -107,7 +107,7 @@ class GrantBook:
         table, bb = rt.cpu.table, rt.layout.block_bytes
         h = table.header(ev.slot)
         entry = rt.placement.claim(Tier.CPU, ev.slot, ev.key, ev.parent) \
-            if self.written(h, ev.key, ev.gen, bb) else None
+            if h is not None and h.ready(ev.key, ev.gen, bb) else None
         if entry is None or h is None:
             self.release(rt, ev.slot)
             return failed(ev, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"
@@ -117,12 +117,6 @@ class GrantBook:
         rt.finish(rt.cpu, entry)
         rt.counters.granted_puts += 1
         return stored(ev, Tier.CPU, ev.slot), ""
-
-    @staticmethod
-    def written(h: SlotHeader | None, key: bytes, gen: int, block_bytes: int) -> bool:
-        """Header `h` shows the client's block (key, gen) written whole and READY."""
-        return (h is not None and h.magic == SLOT_MAGIC and h.flags == Flags.READY and h.gen == gen
-                and gen % 2 == 0 and h.key == key and h.length == block_bytes)
 
     async def top_up(self, make_room: Callable[[PoolRuntime], Awaitable[bool]]) -> int:
         """Grant the wanted segments free cpu slots up to `per_client` each, freeing clean blocks
