@@ -202,6 +202,11 @@ def _staged(where: str, value: object) -> StagedBlock:
     if not isinstance(value, list) or len(value) not in (4, 5) or (len(value) == 5 and value[4] is not True):
         raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen] (+ true: granted)")
     k, p, slot, gen = value[:4]
+    # The common case checked inline (a put names up to thousands of blocks): exact types, no
+    # error text built. Anything else takes the checks below, which say what is wrong.
+    if (type(k) is bytes and len(k) == KEY_BYTES and (p is None or (type(p) is bytes and len(p) == KEY_BYTES))
+            and type(slot) is int and 0 <= slot <= I64_MAX and type(gen) is int and 0 <= gen <= I64_MAX):
+        return StagedBlock(key=k, parent=p, slot=slot, gen=gen, granted=len(value) == 5)  # type: ignore[arg-type]
     return StagedBlock(
         key=_key(where + ".key", k),
         parent=None if p is None else _key(where + ".parent", p),
@@ -230,7 +235,12 @@ def _tuple(item: Check, where: str, value: object) -> tuple[object, ...]:
         raise MalformedEvent(f"{where}: expected a list")
     if len(value) > MAX_ITEMS:
         raise MalformedEvent(f"{where}: more than {MAX_ITEMS} items")
-    return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
+    try:
+        return tuple([item(where, v) for v in value])  # no "where[i]" built per item on the way
+    except MalformedEvent:
+        for i, v in enumerate(value):  # again, to name the bad item
+            item(f"{where}[{i}]", v)
+        raise
 
 
 def _key(where: str, value: object) -> BlockKey:

@@ -185,6 +185,9 @@ class ArenaConfig:
     # Threads that populate an arena's pages in the background (0 = cores / 4, at least 1 and
     # at most 8): the CPU population may use while the daemon already serves.
     populate_threads: int = setting(integer(0, 64), 0)
+    # ... and while it is idle (no bus event for 2 s: no engine uses the cache yet), 0 = every
+    # core, at most 8. Set it to populate_threads to never go wider.
+    populate_threads_idle: int = setting(integer(0, 64), 0)
     # Pages are populated, and slots brought into service, this many bytes at a time.
     populate_chunk: int = setting(size(), 64 << 20)
 

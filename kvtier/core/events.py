@@ -2,8 +2,11 @@
 
 Three families (docs/architecture.md, "Bus"):
 - client events (inference worker -> daemon): Access, Put, Prefetch, RemoteRead;
-- tier commands (-> one tier worker's stream): Store, Promote, Demote, Copy, Evict;
-- tier facts (tier worker -> facts stream): Stored, Removed.
+- tier commands (-> one tier worker's stream): Store, StoreBatch, Promote, Demote, Copy, Evict;
+- tier facts (tier worker -> facts stream): Stored, StoredBatch, Removed.
+
+A batch (StoreBatch, StoredBatch) is the per-block event for a run of blocks, as one event: a put
+of 64 blocks costs one command and one fact, not 64 of each, on the wire and in the handlers.
 """
 
 from __future__ import annotations
@@ -148,6 +151,21 @@ class Store:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreBatch:
+    """A `Store` of each of `blocks` (one put's blocks bound for `tier`, in chain order)."""
+
+    TYPE: ClassVar[str] = "store_batch"
+    pool: str
+    tier: Tier
+    segment: str
+    blocks: tuple[StagedBlock, ...]
+
+    def stores(self) -> list[Store]:
+        return [Store(self.pool, self.tier, b.key, b.parent, self.segment, b.slot, b.gen, b.granted)
+                for b in self.blocks]
+
+
+@dataclass(frozen=True, slots=True)
 class Promote:
     """Copy `key` up from `src` (slot/gen locate it there; Redis ignores them) into `dst`."""
 
@@ -215,6 +233,47 @@ class Stored:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """A `Stored` of each block: keys[i] (parent parents[i]) is now visible in `tier` at slots[i]."""
+
+    TYPE: ClassVar[str] = "stored_batch"
+    pool: str
+    tier: Tier
+    cause: Cause
+    keys: tuple[BlockKey, ...]
+    parents: tuple[BlockKey | None, ...]
+    slots: tuple[int, ...]
+
+    def facts(self) -> list[Stored] | None:
+        """The facts it stands for; None when its columns differ in length (a malformed event)."""
+        if not len(self.keys) == len(self.parents) == len(self.slots):
+            return None
+        return [Stored(self.pool, k, p, self.tier, s, self.cause)
+                for k, p, s in zip(self.keys, self.parents, self.slots)]
+
+
+def batched(facts: list[Stored | Removed]) -> list[Stored | StoredBatch | Removed]:
+    """The facts with each run of two or more consecutive `Stored` of one pool, tier and cause as
+    one StoredBatch; the order of everything else kept."""
+    out: list[Stored | StoredBatch | Removed] = []
+    i = 0
+    while i < len(facts):
+        f, j = facts[i], i + 1
+        if isinstance(f, Stored):
+            while j < len(facts) and isinstance(g := facts[j], Stored) and (g.pool, g.tier, g.cause) == (
+                    f.pool, f.tier, f.cause):
+                j += 1
+        if j - i == 1:
+            out.append(f)
+        else:
+            run = facts[i:j]
+            out.append(StoredBatch(f.pool, f.tier, f.cause, tuple(g.key for g in run),
+                                   tuple(g.parent for g in run), tuple(g.slot for g in run)))  # type: ignore[union-attr]
+        i = j
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class Removed:
     """`key` left `tier` by an evict (`why` is its Reason), or never made it there: the command
     `cause` failed (`why` is a Failure)."""
@@ -228,9 +287,11 @@ class Removed:
 
 
 Command = Store | Promote | Demote | Copy | Evict  # what the policy sends a tier worker
-Event = Access | Put | Prefetch | RemoteRead | Store | Promote | Demote | Copy | Evict | Stored | Removed
+Event = (Access | Put | Prefetch | RemoteRead | Store | StoreBatch | Promote | Demote | Copy | Evict | Stored
+         | StoredBatch | Removed)
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Store, Promote, Demote, Copy, Evict, Stored, Removed)
+    cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Store, StoreBatch, Promote, Demote, Copy, Evict,
+                              Stored, StoredBatch, Removed)
 }
 
 

@@ -39,7 +39,7 @@ from kvtier.daemon.manifest_reader import ManifestReader
 from kvtier.daemon.metrics import MetricsServer
 from kvtier.daemon.node import descriptor, ensure_runtime_dir, node_lock, runtime_dir_lock, shm_gid
 from kvtier.daemon.pools import close_pool, open_pool
-from kvtier.daemon.population import ArenaPopulation, default_populate_threads
+from kvtier.daemon.population import Activity, ArenaPopulation
 from kvtier.daemon.prefix_index import PrefixIndexWriter
 from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
@@ -269,11 +269,11 @@ class Daemon:
         )
 
     def _start_chores(self, chores: Chores, bus: AsyncRedis, staging: StagingSegments) -> None:
-        threads = self.cfg.arena.populate_threads or default_populate_threads()
         for name, rt in self.pools.items():
             if rt.arena is not None and rt.arena.chunks:  # the rest of a big arena, after READY
                 pop = self.populations[name] = ArenaPopulation(
-                    rt, threads, self.log, lambda pool, entries: self._restored(pool, Tier.CPU, entries))
+                    rt, self.cfg.arena, self.log, lambda pool, entries: self._restored(pool, Tier.CPU, entries),
+                    Activity(lambda: self.bus_stats.delivered))
                 chores.start(f"arena-{name}", pop.run())
             if rt.disk is not None and rt.disk.adopting:  # what the block file held, after READY
                 chores.start(f"disk-{name}", DiskAdoption(rt, self.log, self._restored).run())

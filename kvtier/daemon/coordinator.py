@@ -23,8 +23,11 @@ from kvtier.core.events import (
     Put,
     RemoteRead,
     Removed,
+    StagedBlock,
     Store,
+    StoreBatch,
     Stored,
+    StoredBatch,
     Tier,
 )
 from kvtier.errors import MalformedEvent
@@ -32,8 +35,10 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 
+Sent = Store | StoreBatch | Promote | Demote | Copy | Evict  # a command as it goes on the wire
 
-def command_stream(names: StreamNames, cmd: Store | Promote | Demote | Copy | Evict) -> str:
+
+def command_stream(names: StreamNames, cmd: Sent) -> str:
     if isinstance(cmd, (Promote, Demote, Copy)):
         return names.tier(cmd.dst)
     return names.tier(cmd.tier)
@@ -53,7 +58,7 @@ class Coordinator:
         self.publisher = publisher
         self.names = names
         self.log = log.bind(worker="coordinator")
-        self._cmds: list = []
+        self._cmds: list[Sent] = []
         self._touched: set[str] = set()
         self.applied = AppliedEntries()
 
@@ -79,10 +84,13 @@ class Coordinator:
         elif isinstance(ev, RemoteRead):
             rt.counters.remote_reads += len(ev.keys)
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
-        elif isinstance(ev, (Stored, Removed)):
-            cmds = rt.placement.on_fact(ev)
+        elif isinstance(ev, (Stored, StoredBatch, Removed)):
+            facts = [ev] if not isinstance(ev, StoredBatch) else ev.facts()
+            if facts is None:
+                raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
+            cmds = [c for f in facts for c in rt.placement.on_fact(f)]
             if self.on_facts is not None:
-                self._facts.setdefault(rt.name, []).append(ev)
+                self._facts.setdefault(rt.name, []).extend(facts)
         else:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
         self._cmds.extend(cmds)
@@ -102,7 +110,7 @@ class Coordinator:
             # Nothing was acked: the batch comes back. Forget the marks these commands made so
             # that the replay decides afresh (a mark left behind would pin a block or eat room).
             for c in cmds:
-                self.pools[c.pool].placement.revert([c])
+                self.pools[c.pool].placement.revert(c.stores() if isinstance(c, StoreBatch) else [c])
             self.applied.discard()
             self._facts.clear()  # the batch comes back, and its facts with it
             raise
@@ -118,7 +126,7 @@ class Coordinator:
             return
         self.log.debug("coordinator.commands", n=len(cmds))
 
-    def _put(self, rt: PoolRuntime, ev: Put) -> list[Store | Copy]:
+    def _put(self, rt: PoolRuntime, ev: Put) -> list[Sent]:
         rt.counters.puts += len(ev.blocks)
         if ev.tokens is not None and self.on_tokens is not None:
             self.on_tokens(rt.name, [b.key for b in ev.blocks], ev.tokens)
@@ -133,7 +141,8 @@ class Coordinator:
             blocks, granted = blocks[granted:], 0
         if not blocks:
             return []
-        tiers, cmds = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted)
+        tiers, copies = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted)
+        runs: dict[Tier, list[StagedBlock]] = {}  # one store_batch per tier: one command, one fact
         for b, tier in zip(blocks, tiers):
             if tier is None and b.granted:  # already cached here: the granted slot is freed
                 assert self.grants is not None
@@ -141,5 +150,5 @@ class Coordinator:
             elif tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
             else:
-                cmds.append(Store(rt.name, tier, b.key, b.parent, ev.segment, b.slot, b.gen, b.granted))
-        return cmds
+                runs.setdefault(tier, []).append(b)
+        return [*copies, *(StoreBatch(rt.name, tier, ev.segment, tuple(bs)) for tier, bs in runs.items())]

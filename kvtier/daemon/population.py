@@ -4,9 +4,12 @@ Chosen over holding READY back with EXTEND_TIMEOUT_USEC: a node serves (with the
 arena populated so far) within about a second whatever the arena's size, rather than keeping
 its engines waiting for minutes; and systemd's start timeout stays meaningful.
 
-Each chunk's slow part (page allocation, faulting in, a warm restart's checksums) runs in one of
-`populate_threads` threads, which bounds the CPU it takes from the serving daemon; its result is
-applied on the event loop, in slot order, so the index keeps one writer. Progress goes to the
+Each chunk's slow part (page allocation, faulting in, a warm restart's checksums) runs in a
+thread; its result is applied on the event loop, in slot order, so the index keeps one writer.
+How many chunks run at once is decided before each chunk: `populate_threads` while the daemon
+serves (bus events handled within the last QUIET_S), which bounds the CPU it takes from serving;
+`populate_threads_idle` (every core by default) while nothing uses the node's cache yet, the
+usual case right after a boot, so that the arena is whole sooner. Progress goes to the
 log (`arena.progress`, every 10%), to stats.json (`kvtier status`) and to the metrics.
 A chunk that fails to populate (the mount filled up meanwhile) stops the population: the arena
 serves with the slots it has, and says so (`arena.populate_failed`, state "failed").
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.config import ArenaConfig
 from kvtier.core.index import Entry
 from kvtier.errors import SegmentError
 from kvtier.shm.numa import NumaBinder
@@ -27,23 +33,58 @@ from kvtier.tiers.arena_fill import ArenaFill, Prepared
 from kvtier.tiers.pool import PoolRuntime
 
 PROGRESS_STEPS = 10  # log lines per population
+QUIET_S = 2.0  # a daemon that handled no bus event for this long is idle
 
 
 def default_populate_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
+def populate_widths(cfg: ArenaConfig) -> tuple[int, int]:
+    """Threads while serving, and while idle (at least as many), from [arena]; 0s are defaults."""
+    threads = cfg.populate_threads or default_populate_threads()
+    return threads, max(threads, cfg.populate_threads_idle or max(1, min(8, os.cpu_count() or 1)))
+
+
+class Activity:
+    """Whether the daemon serves: a counter of handled events (the bus's `delivered`) moved within
+    the last `quiet_s`. Polled once a chunk, so a quiet spell is seen within one chunk's time."""
+
+    def __init__(self, count: Callable[[], int], quiet_s: float = QUIET_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._count = count
+        self._quiet_s = quiet_s
+        self._clock = clock
+        self._last = count()
+        self._moved = -float("inf")  # no event seen yet: idle from the start
+
+    def busy(self) -> bool:
+        now, n = self._clock(), self._count()
+        if n != self._last:
+            self._last, self._moved = n, now
+        return now - self._moved < self._quiet_s
+
+
 class ArenaPopulation:
     """Brings one pool's remaining arena chunks into service."""
 
-    def __init__(self, rt: PoolRuntime, threads: int, log: Any,
-                 on_restored: Callable[[str, list[Entry]], None] | None = None) -> None:
+    def __init__(self, rt: PoolRuntime, cfg: ArenaConfig, log: Any,
+                 on_restored: Callable[[str, list[Entry]], None] | None = None,
+                 activity: Activity | None = None) -> None:
+        """`activity`: whether the daemon serves (None: always, so never wider than populate_threads)."""
         assert rt.arena is not None
         self.rt = rt
         self.fill: ArenaFill = rt.arena
-        self.threads = threads
+        self.threads, self.idle_threads = populate_widths(cfg)  # chunks at once while serving, and while idle
+        self.activity = activity
+        self.widths: Counter[int] = Counter()  # chunks in flight -> how many times: the log line's record
         self.log = log.bind(pool=rt.name)
         self.on_restored = on_restored
+
+    def width(self) -> int:
+        """Chunks to have in flight now."""
+        idle = self.activity is not None and not self.activity.busy()
+        return self.idle_threads if idle else self.threads
 
     def _bind_thread(self) -> None:
         if self.fill.numa_node is not None:  # hugetlbfs allocates by the thread's own policy
@@ -56,16 +97,19 @@ class ArenaPopulation:
         loop = asyncio.get_running_loop()
         total = fill.total_bytes
         self.log.info("arena.populating", bytes=total, populated_bytes=fill.populated_bytes, chunks=len(fill.chunks),
-                      threads=self.threads, backing=fill.backing.describe, numa_node=fill.numa_node)
+                      threads=self.threads, idle_threads=self.idle_threads, backing=fill.backing.describe,
+                      numa_node=fill.numa_node)
         step = max(1, total // PROGRESS_STEPS)
         next_report = (fill.populated_bytes // step + 1) * step
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"populate-{self.rt.name}",
+        pool = ThreadPoolExecutor(self.idle_threads, thread_name_prefix=f"populate-{self.rt.name}",
                                   initializer=self._bind_thread)
         inflight: list[asyncio.Future[Prepared]] = []
         try:
             while fill.chunks or inflight:
-                while fill.chunks and len(inflight) < self.threads:
+                width = self.width()
+                while fill.chunks and len(inflight) < width:
                     inflight.append(loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0)))
+                self.widths[len(inflight)] += 1
                 prepared = await inflight.pop(0)  # in slot order: the lowest slots come first
                 for restored in fill.apply(prepared, self.rt.placement):
                     if restored and self.on_restored is not None:
@@ -87,7 +131,7 @@ class ArenaPopulation:
             self.log.info("arena.populated", bytes=total, seconds=round(secs, 3),
                           s_per_gib=round(secs / (total / (1 << 30)), 3), kept=fill.kept, discarded=fill.discarded,
                           torn=fill.torn,
-                          in_service=self.rt.cpu.index.capacity)
+                          in_service=self.rt.cpu.index.capacity, widest=max(self.widths, default=0))
         finally:
             # A stop mid-population: the chunks running now finish first (a blocking wait of at
             # most one chunk's time), as the pool's mapping is closed after this.

@@ -25,7 +25,20 @@ from structlog.typing import FilteringBoundLogger
 
 from kvtier.bus.consumer import Delivery
 from kvtier.bus.dedup import AppliedEntries
-from kvtier.core.events import Copy, Demote, Event, Evict, Failure, Promote, Reason, Store, Tier
+from kvtier.core.events import (
+    Command,
+    Copy,
+    Demote,
+    Event,
+    Evict,
+    Failure,
+    Promote,
+    Reason,
+    Store,
+    StoreBatch,
+    Tier,
+    batched,
+)
 from kvtier.core.fence import CommandFence
 from kvtier.core.outcomes import evicted, failed, held, read, sent, written
 from kvtier.disk.blockfile import aligned_empty
@@ -95,12 +108,18 @@ class TierWorker:
         rt = self.pools.get(ev.pool)
         if rt is None:
             raise MalformedEvent(f"unknown pool {ev.pool!r}")
-        if not isinstance(ev, (Store, Promote, Demote, Copy, Evict)) or _target(ev) != self.tier:
+        if not isinstance(ev, (Store, StoreBatch, Promote, Demote, Copy, Evict)) or _target(ev) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
-        if self.applied.duplicate(d.envelope):  # carried out already, its fact published
-            rt.counters.tiers[self.tier.label].stale += 1
+        cmds = ev.stores() if isinstance(ev, StoreBatch) else [ev]
+        if self.applied.duplicate(d.envelope):  # carried out already, its facts published
+            rt.counters.tiers[self.tier.label].stale += len(cmds)
             return
         stamp = (d.envelope.epoch, d.envelope.seq)
+        for cmd in cmds:  # a batch's blocks one by one, each fenced on its own (one stamp for all)
+            await self._command(rt, cmd, stamp)
+        self.applied.handled(d.envelope)
+
+    async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
         if self.fence.stale(rt.name, ev.key, stamp):
             # Older than a command already applied to this block: a late redelivery. Its
             # outcome was reported the first time, or it was overtaken; applying it now would
@@ -128,7 +147,6 @@ class TierWorker:
         self._retire_failed_disk(rt)  # an I/O error met by this command, or by another worker
         if self._staged.nbytes + self._redis.nbytes + self._moves.nbytes >= self.flush_bytes:
             await self._drain()
-        self.applied.handled(d.envelope)
         self._fences.append((rt.name, ev.key, stamp))
 
     async def flush(self) -> None:
@@ -148,8 +166,8 @@ class TierWorker:
         facts = self.facts.take()
         fences, self._fences = self._fences, []
         try:
-            if facts:
-                await self.publisher.publish_many([(self.facts_stream, f) for f in facts])
+            if facts:  # each run of stored blocks as one stored_batch
+                await self.publisher.publish_many([(self.facts_stream, f) for f in batched(facts)])
         except BaseException:
             self.applied.discard()  # the batch comes back and must run again to report
             raise
@@ -294,6 +312,6 @@ def _error(err: object) -> str:
     return f"{type(err).__name__}: {err}" if isinstance(err, Exception) else ""
 
 
-def _target(ev: Received | Evict) -> Tier:
+def _target(ev: Received | StoreBatch | Evict) -> Tier:
     """The tier whose worker carries the command out."""
-    return ev.tier if isinstance(ev, (Store, Evict)) else ev.dst
+    return ev.tier if isinstance(ev, (Store, StoreBatch, Evict)) else ev.dst

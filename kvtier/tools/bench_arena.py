@@ -154,9 +154,10 @@ def arena_rows(url: str, workdir: Path, gib: float, huge_dir: str | None, out: d
         for seg in {directory, Path("/dev/shm")}:
             (seg / f"kvtier.{node}.a.cpu").unlink(missing_ok=True)
     bound = before
-    from kvtier.daemon.population import default_populate_threads
+    from kvtier.config import ArenaConfig
+    from kvtier.daemon.population import populate_widths
 
-    threads = default_populate_threads()
+    threads = populate_widths(ArenaConfig())[1]  # nothing else runs on the bench's daemon: it populates idle-wide
     same = [g["s_per_gib"] for g in bound["grid"] if g["threads"] == threads and g["chunk_mib"] == 64]
     bound["daemon_shape_s_per_gib"] = min(same) if same else None
     out[key] = {"gib": gib, "cold": cold, "warm": warm, "raw": bound, "settle_s": settle_s}

@@ -65,7 +65,7 @@ async def test_three_threads_bring_every_chunk_in_and_restore_a_warm_arena():
             return orig(t, slots)
 
         rt.placement.bring_into_service = watch  # a spy on the order only; the call goes through
-        await ArenaPopulation(rt, 3, LOG).run()
+        await ArenaPopulation(rt, arena, LOG).run()
         assert seen == sorted(seen) and len(seen) == 31, "chunks come into service in slot order"
         assert rt.arena.state == "populated" and rt.cpu.index.capacity == 1024
         blocks = write_blocks(rt, 1000, seed=1)
@@ -75,7 +75,7 @@ async def test_three_threads_bring_every_chunk_in_and_restore_a_warm_arena():
         first = rt.arena.kept
         assert rt.arena.warm and 0 < first < 1000  # the first chunk only, before READY
         restored: list = []
-        await ArenaPopulation(rt, 3, LOG, on_restored=lambda _p, es: restored.extend(es)).run()
+        await ArenaPopulation(rt, arena, LOG, on_restored=lambda _p, es: restored.extend(es)).run()
         assert rt.arena.kept == 1000 and rt.arena.discarded == 0
         assert len(restored) == 1000 - first, "every block restored after READY is announced"
         assert all(read(rt, k) == v for k, v in blocks.items()), "a restored block reads back wrong"
@@ -106,7 +106,7 @@ async def test_a_population_cut_short_is_finished_by_the_next_start():
         rt = open_pool(pool(1024), node, PolicyConfig(), None, RedisConfig(), None, LOG, arena)
         assert rt.arena.warm and any(c.holes for c in rt.arena.chunks)
         assert not any(c.holes for c in rt.arena.chunks[:5]), "what was populated is not allocated again"
-        await ArenaPopulation(rt, 2, LOG).run()
+        await ArenaPopulation(rt, arena, LOG).run()
         assert rt.arena.state == "populated" and rt.arena.kept == 150
         assert rt.cpu.index.capacity == 1024 and os.stat(f"/dev/shm/{name}").st_blocks * 512 >= held[0] - 4096
         assert all(read(rt, k) == v for k, v in blocks.items())
@@ -128,7 +128,7 @@ async def test_a_mount_that_fills_up_mid_population_stops_it_cleanly(tmp_path: P
             hog = small / "hog"
             with open(hog, "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, 40 << 20)
-            await ArenaPopulation(rt, 2, LOG).run()
+            await ArenaPopulation(rt, arena, LOG).run()
             a = rt.arena.stats()
             assert a["state"] == "failed" and "No space left" in a["error"], a
             assert 0 < a["populated_bytes"] < a["bytes"] and a["in_service"] == rt.cpu.index.capacity < 1536
@@ -138,3 +138,25 @@ async def test_a_mount_that_fills_up_mid_population_stops_it_cleanly(tmp_path: P
             assert all(read(rt, k) == v for k, v in blocks.items())
         finally:
             close_pool(rt, persist_arena=False)
+
+
+async def test_population_goes_wide_only_while_the_daemon_is_idle():
+    """populate_threads chunks at once while bus events flow, populate_threads_idle once none has
+    come for the quiet time: the arena is whole sooner after a boot, and serving keeps its CPU."""
+    from kvtier.daemon.population import Activity
+
+    arena = ArenaConfig(populate_threads=1, populate_threads_idle=3, populate_chunk=1 << 20)
+    for busy in (True, False):
+        rt = open_pool(pool(1024), f"popwide-{os.getpid()}-{busy}", PolicyConfig(), None, RedisConfig(), None, LOG,
+                       arena)
+        name = rt.cpu.table.seg.name
+        try:
+            # busy: a new event each time the population looks; idle: never one
+            count = iter(range(1 << 20)).__next__ if busy else (lambda: 0)
+            pop = ArenaPopulation(rt, arena, LOG, activity=Activity(count))
+            await pop.run()
+            assert rt.arena.state == "populated" and rt.cpu.index.capacity == 1024
+            assert max(pop.widths) == (1 if busy else 3), pop.widths
+        finally:
+            close_pool(rt, persist_arena=False)
+            ShmSegment.unlink_name(name)

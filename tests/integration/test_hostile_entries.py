@@ -42,7 +42,9 @@ from kvtier.core.events import (
     Removed,
     StagedBlock,
     Store,
+    StoreBatch,
     Stored,
+    StoredBatch,
     Tier,
 )
 from kvtier.errors import MalformedEvent
@@ -67,6 +69,8 @@ EVENTS = [
     Evict("p", K, Tier.GPU, "demoted"),
     Stored("p", K, None, Tier.CPU, 2, "store"),
     Removed("p", K, Tier.CPU, Cause.EVICT, Reason.DEMOTED),
+    StoreBatch("p", Tier.CPU, SEG, (StagedBlock(K, None, 0, 2), StagedBlock(K, K, 1, 2, True))),
+    StoredBatch("p", Tier.CPU, Cause.STORE, (K, K), (None, K), (2, 3)),
 ]
 WIRE = [msgpack.unpackb(encode(Envelope(ev, "prod", 1, 1)), raw=False) for ev in EVENTS]
 
@@ -325,5 +329,31 @@ async def test_daemon_survives_hostile_entries_on_every_stream(daemon_factory, r
             more = client.block_keys("t", list(range(100, 100 + 16 * 2)), salt=b"hostile")
             await client.put("t", more, make_kv(2, seed=42))
             assert await client.wait_resident("t", more, timeout=10), "a good put behind the junk is handled"
+    finally:
+        r.close()
+
+
+async def test_meaningless_batches_are_dead_lettered_with_their_reason(daemon_factory, redis_server):
+    """Well-formed on the wire, meaningless to the daemon: a stored_batch whose columns differ in
+    length, a store_batch on another tier's stream. Each is dead-lettered, and puts still work."""
+    d = daemon_factory(node="hostile-batch")
+    r = redis_server.client()
+    node = d.node
+    bad = [
+        ("facts", StoredBatch("t", Tier.CPU, Cause.STORE, (K, K), (None,), (2, 3)), "differ in length"),
+        ("tier:gpu", StoreBatch("t", Tier.CPU, SEG, (StagedBlock(K, None, 0, 2),)), "not a command for the gpu worker"),
+    ]
+    try:
+        for stream, ev, _ in bad:
+            r.xadd(f"kvtier:{{{node}}}:{stream}", {b"e": encode(Envelope(ev, "hostile/x", 1, 1))})
+        dlq = f"kvtier:{{{node}}}:dlq"
+        wait_until(lambda: r.xlen(dlq) >= len(bad), timeout=20, message="both dead-lettered")
+        reasons = {f[b"stream"].decode(): f[b"reason"].decode() for _, f in r.xrange(dlq)}
+        for stream, _, needle in bad:
+            assert needle in reasons[f"kvtier:{{{node}}}:{stream}"], reasons
+        async with await Client.connect(d.runtime_dir) as client:
+            keys = client.block_keys("t", list(range(16 * 2)), salt=b"hostile-batch")
+            await client.put("t", keys, make_kv(2, seed=43))
+            assert await client.wait_resident("t", keys, timeout=10)
     finally:
         r.close()

@@ -28,7 +28,9 @@ from kvtier.core.events import (
     Removed,
     StagedBlock,
     Store,
+    StoreBatch,
     Stored,
+    StoredBatch,
     Tier,
 )
 from kvtier.errors import MalformedEvent
@@ -49,6 +51,8 @@ EVENTS = [
     Removed("llama-8b", K2, Tier.CPU, Cause.DEMOTE, Failure.NO_ROOM),
     Removed("llama-8b", K3, Tier.GPU, Cause.EVICT, Reason.MAKE_ROOM),
     RemoteRead("llama-8b", (K2, K3), head_parent=K1),
+    StoreBatch("llama-8b", Tier.CPU, "kvtier.node-a.stage.1", (StagedBlock(K1, None, 3, 8, True), StagedBlock(K2, K1, 4, 6))),
+    StoredBatch("llama-8b", Tier.CPU, Cause.STORE, (K1, K2, K3), (None, K1, K2), (3, 4, 5)),
 ]
 
 
@@ -83,7 +87,7 @@ def test_every_event_type_roundtrips(event) -> None:
     for name in ("reason", "cause", "why"):  # decoded as their enums, not bare strings
         if hasattr(event, name):
             assert type(getattr(out.event, name)) is type(getattr(event, name))
-    if isinstance(event, Put):
+    if isinstance(event, (Put, StoreBatch)):
         assert all(type(b) is StagedBlock for b in out.event.blocks)
         assert out.event.blocks[1].parent == K1 and out.event.blocks[0].parent is None
 
@@ -207,6 +211,11 @@ def test_missing_and_extra_body_fields_are_named() -> None:
     (EVENTS[2], "blocks", [[K1, bytes(5), 0, 1]], "put.blocks[0].parent: expected a 32-byte key"),
     (EVENTS[2], "blocks", [[K1, None, -1, 1]], "put.blocks[0].slot: must be >= 0"),
     (EVENTS[2], "blocks", [[K1, None, 0, False]], "put.blocks[0].gen: expected a 64-bit integer, got bool"),
+    (EVENTS[13], "blocks", [[K1, None, 0, 1], [K2, K1, -1, 1]], "store_batch.blocks[1].slot: must be >= 0"),
+    (EVENTS[13], "blocks", [[K1, None, 0, 1, False]], "store_batch.blocks[0]: staged block must be"),
+    (EVENTS[14], "keys", [K1, K2, bytes(31)], "stored_batch.keys[2]: expected a 32-byte key, got 31 bytes"),
+    (EVENTS[14], "parents", [None, 7, K2], "stored_batch.parents[1]: expected a 32-byte key, got int"),
+    (EVENTS[14], "slots", [3, 4, 1.5], "stored_batch.slots[2]: expected a 64-bit integer, got float"),
 ])
 def test_bad_body_values(event, field: str, value, needle: str) -> None:
     obj = wire(event)

@@ -1,0 +1,42 @@
+"""A tier worker's facts go out as batches (kvtier/core/events.py: batched, StoredBatch): each run
+of stored facts of one pool, tier and cause is one event, and stands for exactly those facts."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.core.events import Cause, Failure, Removed, Stored, StoredBatch, Tier, batched
+
+KEYS = [bytes([i]) * 32 for i in range(8)]
+
+stored = st.builds(Stored, st.sampled_from(["a", "b"]), st.sampled_from(KEYS), st.sampled_from([None, *KEYS]),
+                   st.sampled_from([Tier.GPU, Tier.CPU]), st.integers(-1, 1 << 40),
+                   st.sampled_from([Cause.STORE, Cause.PROMOTE]))
+removed = st.builds(Removed, st.sampled_from(["a", "b"]), st.sampled_from(KEYS), st.just(Tier.CPU),
+                    st.just(Cause.STORE), st.just(Failure.NO_ROOM))
+
+
+def expand(events) -> list:
+    return [f for e in events for f in (e.facts() if isinstance(e, StoredBatch) else [e])]
+
+
+@given(st.lists(st.one_of(stored, stored, removed), max_size=40))
+def test_batches_stand_for_exactly_the_facts_in_order(facts):
+    out = batched(facts)
+    assert expand(out) == facts
+    for e in out:
+        if isinstance(e, StoredBatch):
+            assert len(e.keys) >= 2  # a lone stored fact stays as it is
+    # Maximal runs: two neighbours never could have been one batch.
+    for x, y in zip(out, out[1:]):
+        if isinstance(x, (Stored, StoredBatch)) and isinstance(y, (Stored, StoredBatch)):
+            assert (x.pool, x.tier, x.cause) != (y.pool, y.tier, y.cause)
+
+
+def test_a_put_of_64_blocks_is_one_fact():
+    facts = [Stored("p", KEYS[i % 8], None, Tier.CPU, i, Cause.STORE) for i in range(64)]
+    (one,) = batched(facts)
+    assert isinstance(one, StoredBatch) and one.slots == tuple(range(64))
+
+
+def test_columns_of_different_lengths_stand_for_nothing():
+    assert StoredBatch("p", Tier.CPU, Cause.STORE, (KEYS[0], KEYS[1]), (None,), (1, 2)).facts() is None
