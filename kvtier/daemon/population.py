@@ -103,14 +103,20 @@ class ArenaPopulation:
         next_report = (fill.populated_bytes // step + 1) * step
         pool = ThreadPoolExecutor(self.idle_threads, thread_name_prefix=f"populate-{self.rt.name}",
                                   initializer=self._bind_thread)
-        inflight: list[asyncio.Future[Prepared]] = []
+        queue: list[asyncio.Future[Prepared]] = []  # in slot order; those not done are running
         try:
-            while fill.chunks or inflight:
-                width = self.width()
-                while fill.chunks and len(inflight) < width:
-                    inflight.append(loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0)))
-                self.widths[len(inflight)] += 1
-                prepared = await inflight.pop(0)  # in slot order: the lowest slots come first
+            while fill.chunks or queue:
+                running, width = sum(not f.done() for f in queue), self.width()
+                # A thread that finished a later chunk starts the next at once (the queue ahead
+                # of the oldest is bounded): slots still come into service in slot order.
+                while fill.chunks and running < width and len(queue) < 4 * width:
+                    queue.append(loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0)))
+                    running += 1
+                self.widths[running] += 1
+                if not queue[0].done():
+                    await asyncio.wait([f for f in queue if not f.done()], return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                prepared = queue.pop(0).result()  # the lowest slots first
                 for restored in fill.apply(prepared, self.rt.placement):
                     if restored and self.on_restored is not None:
                         self.on_restored(self.rt.name, restored)
