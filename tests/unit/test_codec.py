@@ -51,7 +51,8 @@ EVENTS = [
     Removed("llama-8b", K2, Tier.CPU, Cause.DEMOTE, Failure.NO_ROOM),
     Removed("llama-8b", K3, Tier.GPU, Cause.EVICT, Reason.MAKE_ROOM),
     RemoteRead("llama-8b", (K2, K3), head_parent=K1),
-    StoreBatch("llama-8b", Tier.CPU, "kvtier.node-a.stage.1", (StagedBlock(K1, None, 3, 8, True), StagedBlock(K2, K1, 4, 6))),
+    StoreBatch("llama-8b", Tier.CPU, "kvtier.node-a.stage.1",
+               (StagedBlock(K1, None, 3, 8, True), StagedBlock(K2, K1, 4, 6))),
     StoredBatch("llama-8b", Tier.CPU, Cause.STORE, (K1, K2, K3), (None, K1, K2), (3, 4, 5)),
 ]
 
