@@ -17,6 +17,19 @@ R = TypeVar("R")
 S = TypeVar("S", bound=Sequence[Any])
 
 
+# A get's blocks smaller than this are copied in one thread, however many there are: per block,
+# some microseconds of Python (slicing, the tag and hash calls) hold the GIL, and at 64 KiB two
+# threads contending for it ran a get at 0.31-0.41x memcpy against 0.45-0.47x in one; at 256 KiB
+# two threads won (11.0 against 8.9 GB/s), at 128 KiB one did, slightly (docs/performance.md).
+# A put's fills are not held to it: at 64 KiB one thread halved the put's rate.
+SHARED_MIN_BLOCK = 256 << 10
+
+
+def share_threads(threads: int, items: int, nbytes: int) -> int:
+    """Threads to share a copy of `items` blocks (`nbytes` in all) among."""
+    return threads if items and nbytes // items >= SHARED_MIN_BLOCK else 1
+
+
 def default_copy_threads() -> int:
     """Copy threads when none are configured: a few, never more than the cores."""
     return min(4, os.cpu_count() or 1)

@@ -23,7 +23,7 @@ from kvtier.client.results import ClientStats, Lookup, ReadCounts
 from kvtier.errors import RedisUnavailable
 from kvtier.keys import BlockKey, check_key
 from kvtier.logs import LogThrottle
-from kvtier.offload import map_shares
+from kvtier.offload import map_shares, share_threads
 
 T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
 R = TypeVar("R")  # what it answers per item
@@ -172,9 +172,12 @@ class TensorRows(Rows):
                 return p.read_rows([keys[i] for i in share], host, share)
             return [p.read(keys[i], out[i]) for i in share]
 
+        nbytes = len(rows) * p.block_bytes
+        # Small blocks in one thread (offload.share_threads: the batch path's per-block Python
+        # holds the GIL); a GPU destination in one (its pinned bounce buffer is per pool).
+        threads = share_threads(self._client._copy_threads, len(rows), nbytes) if host is not None else 1
         with p.in_use():
-            return await self._client._copy(read, rows, len(rows) * p.block_bytes,
-                                            threads=1 if out.device.type != "cpu" else None)
+            return await self._client._copy(read, rows, nbytes, threads=threads)
 
     def landing(self, row: int) -> npt.NDArray[np.uint8] | None:
         if self._out.device.type != "cpu":
