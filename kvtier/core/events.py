@@ -252,16 +252,19 @@ class StoredBatch:
                 for k, p, s in zip(self.keys, self.parents, self.slots)]
 
 
+MAX_RUN = 4096  # facts in one StoredBatch: about 300 KB on the wire, well inside an entry's 4 MiB
+
+
 def batched(facts: list[Stored | Removed]) -> list[Stored | StoredBatch | Removed]:
     """The facts with each run of two or more consecutive `Stored` of one pool, tier and cause as
-    one StoredBatch; the order of everything else kept."""
+    one StoredBatch (of at most MAX_RUN); the order of everything else kept."""
     out: list[Stored | StoredBatch | Removed] = []
     i = 0
     while i < len(facts):
         f, j = facts[i], i + 1
         if isinstance(f, Stored):
-            while j < len(facts) and isinstance(g := facts[j], Stored) and (g.pool, g.tier, g.cause) == (
-                    f.pool, f.tier, f.cause):
+            while j < len(facts) and j - i < MAX_RUN and isinstance(g := facts[j], Stored) and (
+                    g.pool, g.tier, g.cause) == (f.pool, f.tier, f.cause):
                 j += 1
         if j - i == 1:
             out.append(f)

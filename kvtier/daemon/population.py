@@ -108,9 +108,13 @@ class ArenaPopulation:
             while fill.chunks or queue:
                 running, width = sum(not f.done() for f in queue), self.width()
                 # A thread that finished a later chunk starts the next at once (the queue ahead
-                # of the oldest is bounded): slots still come into service in slot order.
-                while fill.chunks and running < width and len(queue) < 4 * width:
-                    queue.append(loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0)))
+                # of the oldest is bounded): slots still come into service in slot order. None
+                # starts once one has failed: the population stops there.
+                failed = any(f.done() and not f.cancelled() and f.exception() is not None for f in queue)
+                while fill.chunks and running < width and len(queue) < 4 * width and not failed:
+                    fut = loop.run_in_executor(pool, fill.prepare, fill.chunks.pop(0))
+                    fut.add_done_callback(_seen)
+                    queue.append(fut)
                     running += 1
                 self.widths[running] += 1
                 if not queue[0].done():
@@ -142,3 +146,10 @@ class ArenaPopulation:
             # A stop mid-population: the chunks running now finish first (a blocking wait of at
             # most one chunk's time), as the pool's mapping is closed after this.
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _seen(fut: asyncio.Future[Prepared]) -> None:
+    """Mark a chunk's failure as retrieved: the population stops at the oldest failed chunk, and
+    a later one's error, never applied, need not be logged by asyncio at exit as well."""
+    if not fut.cancelled():
+        fut.exception()

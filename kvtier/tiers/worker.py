@@ -115,8 +115,14 @@ class TierWorker:
             rt.counters.tiers[self.tier.label].stale += len(cmds)
             return
         stamp = (d.envelope.epoch, d.envelope.seq)
+        bad: MalformedEvent | None = None
         for cmd in cmds:  # a batch's blocks one by one, each fenced on its own (one stamp for all)
-            await self._command(rt, cmd, stamp)
+            try:
+                await self._command(rt, cmd, stamp)
+            except MalformedEvent as e:  # this block only: the rest still stored (or their slots freed)
+                bad = bad or e
+        if bad is not None:
+            raise bad  # the entry goes to the dead-letter stream, with the first reason
         self.applied.handled(d.envelope)
 
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:

@@ -4,7 +4,8 @@ of stored facts of one pool, tier and cause is one event, and stands for exactly
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.core.events import Cause, Failure, Removed, Stored, StoredBatch, Tier, batched
+from kvtier.bus.codec import decode, encode
+from kvtier.core.events import MAX_RUN, Cause, Envelope, Failure, Removed, Stored, StoredBatch, Tier, batched
 
 KEYS = [bytes([i]) * 32 for i in range(8)]
 
@@ -26,7 +27,7 @@ def test_batches_stand_for_exactly_the_facts_in_order(facts):
     for e in out:
         if isinstance(e, StoredBatch):
             assert len(e.keys) >= 2  # a lone stored fact stays as it is
-    # Maximal runs: two neighbours never could have been one batch.
+    # Maximal runs: two neighbours never could have been one batch (facts here are < MAX_RUN).
     for x, y in zip(out, out[1:]):
         if isinstance(x, (Stored, StoredBatch)) and isinstance(y, (Stored, StoredBatch)):
             assert (x.pool, x.tier, x.cause) != (y.pool, y.tier, y.cause)
@@ -40,3 +41,15 @@ def test_a_put_of_64_blocks_is_one_fact():
 
 def test_columns_of_different_lengths_stand_for_nothing():
     assert StoredBatch("p", Tier.CPU, Cause.STORE, (KEYS[0], KEYS[1]), (None,), (1, 2)).facts() is None
+
+
+def test_a_long_run_is_cut_into_batches_that_a_consumer_accepts():
+    """A batch's facts pile up until its flush (thousands, from a prefetch or a shed): each fact
+    event stays within what the codec decodes (an entry of 4 MiB, a list of 65,536)."""
+    n = 3 * MAX_RUN + 5
+    facts = [Stored("p", i.to_bytes(32, "little"), None, Tier.CPU, i, Cause.PROMOTE) for i in range(n)]
+    out = batched(facts)
+    assert [len(e.keys) for e in out[:3]] == [MAX_RUN] * 3 and len(out[3].keys) == 5
+    assert expand(out) == facts
+    for e in out:
+        assert decode(encode(Envelope(e, "w", 1, 1))).event == e
