@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import ClassVar, NewType
+from itertools import groupby
+from typing import ClassVar, NewType, cast
 
 from kvtier.keys import BlockKey
 
@@ -259,20 +260,16 @@ def batched(facts: list[Stored | Removed]) -> list[Stored | StoredBatch | Remove
     """The facts with each run of two or more consecutive `Stored` of one pool, tier and cause as
     one StoredBatch (of at most MAX_RUN); the order of everything else kept."""
     out: list[Stored | StoredBatch | Removed] = []
-    i = 0
-    while i < len(facts):
-        f, j = facts[i], i + 1
-        if isinstance(f, Stored):
-            while j < len(facts) and j - i < MAX_RUN and isinstance(g := facts[j], Stored) and (
-                    g.pool, g.tier, g.cause) == (f.pool, f.tier, f.cause):
-                j += 1
-        if j - i == 1:
-            out.append(f)
-        else:
-            run = facts[i:j]
-            out.append(StoredBatch(f.pool, f.tier, f.cause, tuple(g.key for g in run),
-                                   tuple(g.parent for g in run), tuple(g.slot for g in run)))  # type: ignore[union-attr]
-        i = j
+    for key, group in groupby(facts, lambda f: (f.pool, f.tier, f.cause) if isinstance(f, Stored) else None):
+        run = list(group)
+        if key is None:  # removed facts, each as it is
+            out.extend(run)
+            continue
+        for i in range(0, len(run), MAX_RUN):
+            part = cast(list[Stored], run[i:i + MAX_RUN])
+            out.append(part[0] if len(part) == 1 else StoredBatch(
+                part[0].pool, part[0].tier, part[0].cause, tuple(f.key for f in part), tuple(f.parent for f in part),
+                tuple(f.slot for f in part)))
     return out
 
 

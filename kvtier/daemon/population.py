@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -77,7 +76,7 @@ class ArenaPopulation:
         self.fill: ArenaFill = rt.arena
         self.threads, self.idle_threads = populate_widths(cfg)  # chunks at once while serving, and while idle
         self.activity = activity
-        self.widths: Counter[int] = Counter()  # chunks in flight -> how many times: the log line's record
+        self.widest = 0  # the most chunks in flight at once (the `arena.populated` line)
         self.log = log.bind(pool=rt.name)
         self.on_restored = on_restored
 
@@ -116,7 +115,7 @@ class ArenaPopulation:
                     fut.add_done_callback(_seen)
                     queue.append(fut)
                     running += 1
-                self.widths[running] += 1
+                self.widest = max(self.widest, running)
                 if not queue[0].done():
                     await asyncio.wait([f for f in queue if not f.done()], return_when=asyncio.FIRST_COMPLETED)
                     continue
@@ -141,7 +140,7 @@ class ArenaPopulation:
             self.log.info("arena.populated", bytes=total, seconds=round(secs, 3),
                           s_per_gib=round(secs / (total / (1 << 30)), 3), kept=fill.kept, discarded=fill.discarded,
                           torn=fill.torn,
-                          in_service=self.rt.cpu.index.capacity, widest=max(self.widths, default=0))
+                          in_service=self.rt.cpu.index.capacity, widest=self.widest)
         finally:
             # A stop mid-population: the chunks running now finish first (a blocking wait of at
             # most one chunk's time), as the pool's mapping is closed after this.

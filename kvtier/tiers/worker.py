@@ -110,10 +110,10 @@ class TierWorker:
             raise MalformedEvent(f"unknown pool {ev.pool!r}")
         if not isinstance(ev, (Store, StoreBatch, Promote, Demote, Copy, Evict)) or _target(ev) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
-        cmds = ev.stores() if isinstance(ev, StoreBatch) else [ev]
         if self.applied.duplicate(d.envelope):  # carried out already, its facts published
-            rt.counters.tiers[self.tier.label].stale += len(cmds)
+            rt.counters.tiers[self.tier.label].stale += len(ev.blocks) if isinstance(ev, StoreBatch) else 1
             return
+        cmds = ev.stores() if isinstance(ev, StoreBatch) else [ev]
         stamp = (d.envelope.epoch, d.envelope.seq)
         bad: MalformedEvent | None = None
         for cmd in cmds:  # a batch's blocks one by one, each fenced on its own (one stamp for all)
