@@ -5,6 +5,7 @@ object (a MagicMock whose .config is a real OffloadingConfig), as in vLLM's own 
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from unittest.mock import MagicMock
 
@@ -36,6 +37,9 @@ from vllm.v1.kv_offload.tiering.manager import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.integrations.vllm.secondary_tier import KvtierSecondaryTier
+from kvtier.runtime import DESCRIPTOR, read_json
+from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slots import Kind, SlotTable
 from kvtier.store.redis_blocks import redis_block_key
 from tests.support.checkpoints import copy_checkpoint, write_checkpoint
 from tests.support.waiting import wait_until
@@ -284,6 +288,41 @@ def test_more_chunks_than_the_node_holds_go_through_redis_and_come_back(daemon_f
         assert finish(tier)[0].success, f"chunks {i}, {i + 1}"
         assert [chunk_bytes(view, 0), chunk_bytes(view, 1)] == data[i:i + 2]
     assert tier.counters.snapshot()["load_chunks_prefetched"] > 0
+
+
+def test_a_resident_chunk_that_fails_its_read_comes_from_redis_instead(daemon_factory, primaries, tiers, redis_server):
+    """A chunk the lookup found here but whose read fails (evicted meanwhile to make room for a
+    sibling's promote, or its bytes damaged: simulated by flipping a byte of its slot) is read
+    through from Redis within the job: the load succeeds, byte-exact, and the failure is counted."""
+    d = daemon_factory(node="a", pools_toml=POOLS_TOML, extra=WRITE_THROUGH)
+    view = primaries()
+    tier = tiers(view, d.runtime_dir)
+    keys = [okey(i, "reread") for i in range(3)]
+    data = fill(view, range(3), seed=8)
+    tier.submit_store(job(1, keys, range(3), load=False))
+    assert finish(tier)[0].success
+    r = redis_server.client()
+    try:
+        wait_until(lambda: all(r.exists(redis_block_key(POOL, tier.keys(k))) for k in keys), timeout=10,
+                   message="the chunks written through to redis")
+    finally:
+        r.close()
+    pool = read_json(d.runtime_dir / DESCRIPTOR)["pools"][POOL]
+    seg = ShmSegment.attach(f"kvtier.{d.node}.{POOL}.cpu", writable=True, trusted_uid=os.geteuid())
+    table = SlotTable.open(seg, Kind.ARENA, bytes.fromhex(pool["fingerprint"]), pool["block_bytes"])
+    try:
+        want = tier.keys(keys[1])
+        slots = [s for s in range(table.n) if bytes(table.headers(s, s + 1)["key"][0]) == want]
+        assert len(slots) == 1, "chunk 1 resident in exactly one slot"
+        table.payload(slots[0])[7] ^= 0xFF
+    finally:
+        table.close()
+    fill(view, range(8, 11), seed=98)
+    tier.submit_load(job(2, keys, [8, 9, 10], load=True))
+    (res,) = finish(tier)
+    assert res.success, res
+    assert [chunk_bytes(view, c) for c in (8, 9, 10)] == data
+    assert tier.counters.snapshot()["read_failures"] == 1
 
 
 def test_a_pool_of_the_wrong_size_or_name_is_a_clear_error(daemon_factory, primaries, tiers):

@@ -196,32 +196,33 @@ class TierIO:
     async def _load(self, sync: SyncClient, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int],
                     deadline: float, ok: list[bool]) -> str:
         """Read what is resident here at once; ask the daemon to promote what only Redis holds,
-        and read each of those as soon as it lands, until the deadline."""
+        and read each of those as soon as it lands, until the deadline. A resident chunk evicted
+        before its read (the promotes make room) is read through from Redis."""
         self._require(sync)
         local = [client.lookup(self.pool, [k]).length == 1 for k in keys]
         absent = [i for i, here in enumerate(local) if not here]
-        reason = ""
-        pending: list[int] = []
-        if absent:
-            pending = [i for i, has in zip(absent, await self._present(client, [keys[i] for i in absent])) if has]
-            if len(pending) < len(absent):
-                reason = "not_found"
-            if pending:
-                try:
-                    await client.prefetch(self.pool, [keys[i] for i in pending])  # Redis -> this node's cpu tier
-                    self.counters.add("load_chunks_prefetched", len(pending))
-                except RedisUnavailable as e:
-                    self.counters.add("redis_errors")
-                    self.warn.warning("vllm_tier.redis_failed", op="prefetch", error=str(e))
-                    pending, reason = [], "prefetch_failed"
         readable = [i for i, here in enumerate(local) if here]
+        reason = ""
         async with asyncio.TaskGroup() as tg:  # every read finishes before this job does
 
             def read(idx: list[int]) -> None:
                 for run in runs(idx, chunk_ids):
                     tg.create_task(self._read_run(client, keys, chunk_ids, run, ok))
 
-            read(readable)
+            read(readable)  # before the prefetch below, whose promotes may evict these
+            pending: list[int] = []
+            if absent:
+                pending = [i for i, has in zip(absent, await self._present(client, [keys[i] for i in absent])) if has]
+                if len(pending) < len(absent):
+                    reason = "not_found"
+                if pending:
+                    try:
+                        await client.prefetch(self.pool, [keys[i] for i in pending])  # Redis -> this node's cpu tier
+                        self.counters.add("load_chunks_prefetched", len(pending))
+                    except RedisUnavailable as e:
+                        self.counters.add("redis_errors")
+                        self.warn.warning("vllm_tier.redis_failed", op="prefetch", error=str(e))
+                        pending, reason = [], "prefetch_failed"
             while pending:
                 await asyncio.sleep(POLL_S)
                 landed = [i for i in pending if client.lookup(self.pool, [keys[i]]).length]
@@ -235,21 +236,27 @@ class TierIO:
                     self.counters.add("timeouts" if live else "daemon_unavailable")
                     reason = reason or ("prefetch_timeout" if live else "daemon_unavailable")
                     break
-        read_failed = sum(1 for i in readable if not ok[i])
-        if read_failed:
-            self.counters.add("read_failures", read_failed)
+        lost = [i for i in readable if not ok[i]]
+        if lost:
+            self.counters.add("read_failures", len(lost))
+            if time.monotonic() < deadline and self.link.current is sync:
+                async with asyncio.TaskGroup() as tg:
+                    for run in runs(lost, chunk_ids):
+                        tg.create_task(self._read_run(client, keys, chunk_ids, run, ok, remote=True))
+        if any(not ok[i] for i in lost):
             reason = reason or "read_failed"
         return reason
 
     async def _read_run(self, client: Client, keys: Sequence[bytes], chunk_ids: Sequence[int], run: list[int],
-                        ok: list[bool]) -> None:
-        """Copy one run of consecutive chunks. `get` stops at the first chunk that fails
-        verification (or was evicted meanwhile); carry on after it."""
+                        ok: list[bool], *, remote: bool = False) -> None:
+        """Copy one run of consecutive chunks (`remote`: what this node lacks, from Redis). `get`
+        stops at the first chunk that fails verification (or was evicted meanwhile); carry on
+        after it."""
         j = 0
         while j < len(run):
             try:
                 n = await client.get(self.pool, [keys[i] for i in run[j:]],
-                                     self._tensor(client, chunk_ids[run[j]], len(run) - j))
+                                     self._tensor(client, chunk_ids[run[j]], len(run) - j), remote=remote)
             except (KvtierError, OSError) as e:  # e.g. the pool changed under a restart
                 self.warn.warning("vllm_tier.read_failed", error=str(e))
                 return

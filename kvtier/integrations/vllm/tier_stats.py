@@ -11,6 +11,7 @@ Prometheus counter each, named vllm:kv_offload_kvtier_<name>):
     store_chunks_ok / store_chunks_failed / store_chunks_deduped / store_jobs_failed
     load_chunks_ok / load_chunks_failed / load_chunks_prefetched / load_jobs_failed
     read_failures         resident chunks whose read failed verification or was evicted meanwhile
+                          (each is then read through from Redis, within the job's deadline)
     daemon_unavailable    jobs (or job phases) refused or cut short because the daemon was down
     connect_failures, daemon_lost, pool_mismatches   the link's own (kvtier/integrations/link.py)
     redis_errors          Redis calls that failed (existence checks, put and prefetch events)
