@@ -79,6 +79,16 @@ def _disk(d: dict) -> str:
             f"admission: " + " ".join(f"{k} {v}" for k, v in sorted(adm.items())))
 
 
+def _pins(p: dict | None) -> list[str]:
+    """Session pins: what they hold now, by tenant, and what was refused (shown once any was made)."""
+    if not p or not (p["blocks"] or p["pinned"] or p["refused_budget"] or p["refused_node"]):
+        return []
+    who = "  ".join(f"{t or '(none)'} {n}" for t, n in p["tenants"].items())
+    lost = f", {p['retain_errors']} Redis TTLs not lengthened" if p.get("retain_errors") else ""
+    return [f"  pins   {p['blocks']} blocks, {human_bytes(p['bytes'])}  {who}  refused {p['refused_budget']} "
+            f"over budget, {p['refused_node']} over the node's share  expired {p['expired']}{lost}"]
+
+
 def _models(m: dict | None) -> list[str]:
     """Which models' KV the pool holds: its manifest's namespaces (core/manifest.py)."""
     if not m or not m.get("namespaces"):
@@ -117,6 +127,7 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
             lines.append(_arena(arena))
         if pool.get("disk"):
             lines.append(_disk(pool["disk"]))
+        lines.extend(_pins(pool.get("pins")))
         lines.extend(_models(pool.get("models")))
         if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
             lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))

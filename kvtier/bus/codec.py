@@ -152,9 +152,9 @@ def _checker(name: str, hint: object) -> Check:
     if hint is TokenIds:
         return _tokens
     if hint is str:
-        return _name if name in ("pool", "segment") else _str
+        return _name if name in ("pool", "segment") else _tenant if name == "tenant" else _str
     if hint is int:
-        return _int
+        return _uint if name == "ttl_s" else _int
     if hint is bool:
         return _bool
     if hint is Tier:
@@ -254,6 +254,11 @@ def _name(where: str, value: object) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise MalformedEvent(f"{where}: expected a name matching {NAME_RE.pattern}, got {str(value)[:80]!r}")
     return value
+
+
+def _tenant(where: str, value: object) -> str:
+    """A tenant: a name, or "" for none (it may become a metric label: no free text)."""
+    return "" if value == "" else _name(where, value)
 
 
 def _int(where: str, value: object) -> int:

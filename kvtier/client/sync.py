@@ -132,6 +132,11 @@ class SyncClient:
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)
 
+    def pin(self, pool: str, keys: Sequence[bytes], ttl_s: int, *, tenant: str = "",
+            timeout: float | None = None) -> None:
+        """Client.pin."""
+        self._call(self._client.pin(pool, keys, ttl_s, tenant=tenant), timeout)
+
     def where(self, pool: str, keys: Sequence[bytes], *, timeout: float | None = None) -> Where:
         """Client.where: which nodes hold the longest leading run of `keys`, in which tier."""
         return self._call(self._client.where(pool, keys), timeout)

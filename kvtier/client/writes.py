@@ -17,18 +17,21 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier.bus.codec import MAX_ITEMS, NAME_RE
 from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import Publisher
 from kvtier.client.access import AccessReports
 from kvtier.client.pools import ClientPool, host_rows
 from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
-from kvtier.core.events import Prefetch, Put, StagedBlock, TokenIds
+from kvtier.core.events import Pin, Prefetch, Put, StagedBlock, TokenIds
 from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
 from kvtier.keys import BlockKey, check_key, encode_tokens
 from kvtier.logs import LogThrottle
 from kvtier.processes import pid_alive
 from kvtier.shm.staging import StagingWriter
+
+MAX_PIN_TTL_S = 7 * 86400  # a pin longer than this is a mistake (the daemon cuts pins to its own max_ttl_s)
 
 # Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
 SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
@@ -172,6 +175,27 @@ class ClientWrites:
                 if reads:
                     self._access.lost(e)
                 raise RedisUnavailable(f"prefetch of {len(bkeys)} blocks not sent: {type(e).__name__}: {e}") from e
+
+    async def pin(self, pool: str, keys: Sequence[bytes], ttl_s: int, *, tenant: str = "") -> None:
+        """Keep this chain (head first) on the node for `ttl_s` seconds, e.g. an agent's context
+        between tool calls; its Redis copies live at least as long. Pinning again extends a pin;
+        `ttl_s` 0 lets this tenant's pins of the chain go. Charged to `tenant`'s pin budget: the
+        daemon refuses what exceeds it, or its node-wide share, and counts and logs the refusal
+        (docs/operations.md, "Session pins"). BadRequest for bad arguments; RedisUnavailable when
+        the request cannot be sent."""
+        self.pool(pool)
+        if type(ttl_s) is not int or not 0 <= ttl_s <= MAX_PIN_TTL_S:
+            raise BadRequest(f"ttl_s must be an int of seconds from 0 to {MAX_PIN_TTL_S}, got {ttl_s!r}")
+        if tenant and not (isinstance(tenant, str) and NAME_RE.fullmatch(tenant)):
+            raise BadRequest(f"tenant must be empty or a name matching {NAME_RE.pattern}, got {tenant!r}")
+        bkeys = tuple(check_key(k) for k in keys)
+        if len(bkeys) > MAX_ITEMS:
+            raise BadRequest(f"a pin names at most {MAX_ITEMS} blocks, got {len(bkeys)}")
+        if bkeys:
+            try:
+                await self._publisher.publish_many([(self._client_stream, Pin(pool, bkeys, ttl_s, tenant))])
+            except REDIS_ERRORS as e:
+                raise RedisUnavailable(f"pin of {len(bkeys)} blocks not sent: {type(e).__name__}: {e}") from e
 
     async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
         """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""

@@ -27,6 +27,7 @@ from kvtier.config.schema import (
     LogConfig,
     MetricsConfig,
     NodeConfig,
+    PinsConfig,
     PolicyConfig,
     PoolConfig,
     PrefixIndexConfig,
@@ -36,7 +37,8 @@ from kvtier.config.schema import (
 __all__ = [
     "DEMO_POOL", "ENV_PREFIX", "ArenaConfig", "BusConfig", "Config", "ConfigError", "DaemonConfig",
     "DiskConfig", "EmbeddedRedisConfig",
-    "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PolicyConfig", "PoolConfig",
+    "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PinsConfig", "PolicyConfig",
+    "PoolConfig",
     "PrefixIndexConfig", "RedisConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",
 ]

@@ -162,6 +162,12 @@ def _cross_check(values: dict[str, dict[str, Any]], origins: Origins,
                 f"({policy['low_watermark']:g} >= {policy['high_watermark']:g})"
                 f"{_via(origins, 'policy', 'low_watermark')}"
                 f"{_via(origins, 'policy', 'high_watermark')}")
+    pins = values["pins"]
+    if "max_ttl_s" in pins and redis.get("block_ttl_s") and pins["max_ttl_s"] > redis["block_ttl_s"]:
+        problems.append(
+            f"pins.max_ttl_s: must be at most redis.block_ttl_s ({pins['max_ttl_s']} > {redis['block_ttl_s']}), or "
+            f"a block's Redis copy could expire while it is pinned"
+            f"{_via(origins, 'pins', 'max_ttl_s')}{_via(origins, 'redis', 'block_ttl_s')}")
     index = values["prefix_index"]
     if "refresh_s" in index and "ttl_s" in index and index["refresh_s"] >= index["ttl_s"]:
         problems.append(

@@ -229,6 +229,18 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PinsConfig:
+    """Session pins (Client.pin; kvtier/core/pins.py; docs/operations.md, "Session pins")."""
+
+    # What one tenant may keep pinned in one pool, in bytes (0 = no pins).
+    budget_bytes: int = setting(size(), 1 << 30)
+    # A longer pin is cut to this. At most redis.block_ttl_s, which a Redis copy written later gets.
+    max_ttl_s: int = setting(integer(1, 7 * 86400), 3600)
+    # All pins of a pool together hold at most this share of the node's slots of it.
+    node_share: float = setting(number(gt=0, le=1), 0.5)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """One model layout. `name` comes from the `[pools.<name>]` table key."""
 
@@ -277,6 +289,7 @@ class Config:
     ingest: IngestConfig = IngestConfig()
     arena: ArenaConfig = ArenaConfig()
     disk: DiskConfig = DiskConfig()
+    pins: PinsConfig = PinsConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -293,6 +306,7 @@ SECTIONS: dict[str, type] = {
     "ingest": IngestConfig,
     "arena": ArenaConfig,
     "disk": DiskConfig,
+    "pins": PinsConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

@@ -1,8 +1,9 @@
 """Typed events on the bus. Events carry keys and locations only, never block bytes.
 
 Three families (docs/architecture.md, "Bus"):
-- client events (inference worker -> daemon): Access, Put, Prefetch, RemoteRead;
-- tier commands (-> one tier worker's stream): Store, StoreBatch, Promote, Demote, Copy, Evict;
+- client events (inference worker -> daemon): Access, Put, Prefetch, RemoteRead, Pin;
+- tier commands (-> one tier worker's stream): Store, StoreBatch, Promote, Demote, Copy, Evict,
+  Retain (the redis worker's);
 - tier facts (tier worker -> facts stream): Stored, StoredBatch, Removed.
 
 A batch (StoreBatch, StoredBatch) is the per-block event for a run of blocks, as one event: a put
@@ -133,6 +134,18 @@ class RemoteRead:
     head_parent: BlockKey | None  # the parent of keys[0]; None when keys[0] starts the chain
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """Keep this chain on the node for `ttl_s` seconds, charged to `tenant`'s pin budget
+    (core/pins.py); 0 lets the tenant's pins of it go."""
+
+    TYPE: ClassVar[str] = "pin"
+    pool: str
+    keys: tuple[BlockKey, ...]  # one chain, head first
+    ttl_s: int
+    tenant: str
+
+
 # --- tier commands -------------------------------------------------------------------------
 
 
@@ -217,6 +230,17 @@ class Evict:
     reason: Reason
 
 
+@dataclass(frozen=True, slots=True)
+class Retain:
+    """For the redis worker: keep these blocks' Redis copies for at least `ttl_s` more seconds
+    (a session pin). Never shortens a TTL, never creates a block."""
+
+    TYPE: ClassVar[str] = "retain"
+    pool: str
+    keys: tuple[BlockKey, ...]
+    ttl_s: int
+
+
 # --- tier facts ----------------------------------------------------------------------------
 
 
@@ -287,11 +311,11 @@ class Removed:
 
 
 Command = Store | Promote | Demote | Copy | Evict  # what the policy sends a tier worker
-Event = (Access | Put | Prefetch | RemoteRead | Store | StoreBatch | Promote | Demote | Copy | Evict | Stored
-         | StoredBatch | Removed)
+Event = (Access | Put | Prefetch | RemoteRead | Pin | Store | StoreBatch | Promote | Demote | Copy | Evict | Retain
+         | Stored | StoredBatch | Removed)
 EVENT_TYPES: dict[str, type[Event]] = {
-    cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Store, StoreBatch, Promote, Demote, Copy, Evict,
-                              Stored, StoredBatch, Removed)
+    cls.TYPE: cls for cls in (Access, Put, Prefetch, RemoteRead, Pin, Store, StoreBatch, Promote, Demote, Copy, Evict,
+                              Retain, Stored, StoredBatch, Removed)
 }
 
 

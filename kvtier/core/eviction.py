@@ -27,7 +27,7 @@ ROOM_TRIES = 4
 class Verdict(enum.Enum):
     GONE = "gone"  # not in this tier: a duplicate command
     STALE = "stale"  # no longer leaving (it stayed, or came back): a late command, not ours to act on
-    BUSY = "busy"  # a child arrived or a reader pins it: refused, tail first and pins honoured now
+    BUSY = "busy"  # a child arrived, a reader or a session pins it: refused, tail first and pins honoured now
     DROP = "drop"  # safe: a lower tier holds it, or the reason is a documented drop
     ASK_REDIS = "ask_redis"  # safe only if Redis still holds it (it may have expired it since)
     ONLY_COPY = "only_copy"  # no lower tier holds it: refused rather than lost
@@ -48,6 +48,8 @@ def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdi
     # The leaving mark holds one pin; any more is a reader's.
     if idx.children(key) or entry.pins > 1 or p.strands_children(t, key):
         return Verdict.BUSY
+    if key in p.pins and not any(key in p.tiers[u] for u in NODE if u > t):
+        return Verdict.BUSY  # session-pinned since it was chosen, and this is its last copy on the node
     if any(key in p.tiers[u] for u in NODE if u > t):  # a copy stays on the node (gpu: cpu or disk; cpu: disk)
         return Verdict.DROP
     if reason in DROP_REASONS and p.reused(key):

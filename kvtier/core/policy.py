@@ -27,6 +27,8 @@ Rules (config `[policy]`; shedding and promotion in their modules):
   drops the others when it sheds them, with the reason "unreused" (Dynamo's frequency filter).
 - A write-back ends when the lower tier reports the block stored: the copy above is evicted then,
   if it is still leaving, childless and unpinned (else it stays, and the copy below is a spare).
+- A session-pinned block (core/pins.py) stays on the node until its pin ends; its Redis copy
+  lives at least as long (`on_pin`'s Retain).
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
   Redis restart) cannot shrink a tier's room or pin a block for ever.
@@ -37,9 +39,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.core.events import Cause, Command, Copy, Demote, Evict, Failure, Reason, Removed, Store, Stored, Tier
+from kvtier.core.events import (
+    Cause,
+    Command,
+    Copy,
+    Demote,
+    Evict,
+    Failure,
+    Reason,
+    Removed,
+    Retain,
+    Store,
+    Stored,
+    Tier,
+)
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.pins import PinRules, Pins, PinVerdict
 from kvtier.core.promotion import Promotion
 from kvtier.core.residency import LOCAL, NODE
 from kvtier.core.shedding import DROP_REASONS
@@ -54,10 +70,28 @@ class Placement(Promotion):
     """Decisions for one pool, over the tier indices it owns (`Residency`) and what it has in
     flight (`Room`)."""
 
-    def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs) -> None:
+    def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs, *,
+                 pin_rules: PinRules | None = None, block_bytes: int = 1) -> None:
         super().__init__(pool, tiers, knobs)
         self._spill = SpillCopies(pool)  # heads of spilled puts, copied to Redis once stored
         self._now = 0.0  # the time of the latest decision (every one passes it in)
+        self.pins = Pins(pin_rules or PinRules(), block_bytes, self.node_slots)
+
+    # --- session pins --------------------------------------------------------------------------
+
+    def on_pin(self, keys: Sequence[BlockKey], tenant: str, ttl_s: int, now: float
+               ) -> tuple[PinVerdict, Retain | None]:
+        """Pin a chain for a session (core/pins.py). A move off the node already decided for a
+        block now pinned is called off; the Retain keeps the Redis copies at least as long."""
+        self._expire(now)
+        verdict = self.pins.pin(keys, tenant, ttl_s, now)
+        for key in verdict.pinned:
+            for t in NODE:
+                e = self.tiers[t].get(key)
+                if e is not None and e.leaving and self.held_below(t, key) not in NODE and not any(
+                        self._demoting.get((d, key)) == t for d in NODE):
+                    self._unmark(t, key)  # leaving the node (an evict, or a write-back to Redis)
+        return verdict, Retain(self.pool, verdict.pinned, verdict.ttl_s) if verdict.pinned else None
 
     # --- admission -----------------------------------------------------------------------------
 

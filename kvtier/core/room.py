@@ -5,6 +5,7 @@ chain's head on the node while its extensions are here. Pure: no I/O; time is pa
 `Placement` (kvtier/core/policy.py) is a Room: its decisions mark what they send in flight here,
 and ask here how much room a tier has. The tier workers' make-room rule (core/eviction.py
 `room_victim`) takes its victim from `clean_victim`, in the order `_clean_spares` counts them.
+A session-pinned block (core/pins.py) is a victim only where a tier below on the node holds it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, TierIndex
+from kvtier.core.pins import PinRules, Pins
 from kvtier.core.residency import NODE, Residency
 from kvtier.keys import BlockKey
 
@@ -75,6 +77,12 @@ class Room(Residency):
         # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
         # first): key -> (parent, give-up time). Promoted as shedding frees room (core/promotion.py).
         self._wanted: dict[BlockKey, tuple[BlockKey | None, float]] = {}
+        # Session pins (core/pins.py): kept on the node. Placement sets the pool's own rules.
+        self.pins = Pins(PinRules(), 1, self.node_slots)
+
+    def node_slots(self) -> int:
+        """The node's slots in service now (gpu, cpu and disk)."""
+        return sum(self.tiers[t].capacity or 0 for t in NODE)
 
     def _expire(self, now: float) -> None:
         """Give up what has been in flight, leased or waiting since before `now`."""
@@ -84,6 +92,7 @@ class Room(Residency):
             del self._wanted[key]
         for pending in self._incoming.values():
             pending.expire(now)
+        self.pins.expire(now)
 
     def incoming(self, t: Tier) -> int:
         """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
@@ -123,7 +132,7 @@ class Room(Residency):
         its pin is ours, not a reader's."""
         lower = self.held_below(t, e.key)
         return (e.pins == int(e.leaving) and lower is not None and e.key not in self._leases
-                and not self.strands_children(t, e.key, lower))
+                and (lower in NODE or e.key not in self.pins) and not self.strands_children(t, e.key, lower))
 
     def _clean_spares(self, t: Tier, want: int) -> int:
         """How many more blocks a full `t` can take now, at most `want`: the worker makes room

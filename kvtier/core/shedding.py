@@ -8,10 +8,11 @@ stays readable, pinned, until the next tier reports it stored (then `Placement.o
 evict). Candidates are the tier's LRU leaves (no resident child in the same tier), never leased
 ones nor ones whose children are on their way in; a block is also kept while a child of it sits
 in the other local tier and the move would take it off the node, so no block leaves the node
-before its extensions. When cpu has no room, gpu writes its victims that have no child in cpu
-straight to Redis: cpu may be full of exactly those protected parents, and waiting for it would
-freeze both tiers. With the frequency filter (`redis_admit_after_hits` = N > 0) a block read
-fewer than N times is not written to Redis: cpu drops it, with the reason "unreused".
+before its extensions, nor a session-pinned one (core/pins.py) before its pin ends. When cpu
+has no room, gpu writes its victims that have no child in cpu straight to Redis: cpu may be full
+of exactly those protected parents, and waiting for it would freeze both tiers. With the
+frequency filter (`redis_admit_after_hits` = N > 0) a block read fewer than N times is not
+written to Redis: cpu drops it, with the reason "unreused".
 
 A block chosen to leave carries a leaving mark (a pin of its own, so it is never chosen twice)
 until its worker acts, the command fails, or `transfer_timeout_s` passes.
@@ -97,9 +98,11 @@ class Shedding(Room):
                 admitted = self._disk_verdict(e) if self.room(Tier.DISK) > 0 else None
                 if admitted is None or not admitted.admitted:
                     dst = Tier.REDIS  # not worth a disk write (or no room there): on to Redis as before
-            if self.strands_children(t, key, dst) or (dst, key) in self._demoting:
-                # Tail first across tiers too: it waits for room in cpu, or for its children. And one
-                # write-back of a block into a tier at a time (the fact settles one source).
+            if self.strands_children(t, key, dst) or (dst, key) in self._demoting or (
+                    dst not in NODE and key in self.pins):
+                # Tail first across tiers too: it waits for room in cpu, or for its children. One
+                # write-back of a block into a tier at a time (the fact settles one source). And a
+                # session-pinned block does not leave the node.
                 continue
             if admitted is not None:
                 self.disk_admissions.counts[admitted] += 1

@@ -44,7 +44,7 @@ from kvtier.daemon.prefix_index import PrefixIndexWriter
 from kvtier.daemon.resync import resync_loop
 from kvtier.daemon.sampler import sample_streams
 from kvtier.daemon.sdnotify import Notifier
-from kvtier.daemon.snapshot import pool_snapshot
+from kvtier.daemon.snapshot import expire_pins, pool_snapshot
 from kvtier.descriptor import Descriptor, RedisEndpoints, Streams
 from kvtier.errors import KvtierError
 from kvtier.failpoints import Failpoints
@@ -126,7 +126,7 @@ class Daemon:
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
                 rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log,
-                                                    cfg.arena, cfg.disk)
+                                                    cfg.arena, cfg.disk, cfg.pins)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
             if cfg.events.enabled:  # before the consumers: no fact may go unannounced
                 kv = KvEventPublisher(cfg.events, self.log)
@@ -329,8 +329,7 @@ class Daemon:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "node": self.cfg.node.id,
-            "pid": os.getpid(), "epoch": self.epoch,
+            "node": self.cfg.node.id, "pid": os.getpid(), "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready_s": self.ready_s,
             "written_at": time.time(), "stats_interval_s": self.cfg.daemon.stats_interval_s,
@@ -347,4 +346,5 @@ class Daemon:
 
     def _write_stats(self) -> None:
         self.failpoints.reached("block_loop")
+        expire_pins(self.pools.values(), time.monotonic())  # on time, even with no event to decide on
         write_json_atomic(self.runtime_dir / STATS, self.snapshot())

@@ -1,6 +1,6 @@
 """The coordinator: turns client events and tier facts into tier commands, using the pure policy.
 
-It consumes the node's client stream (access, put, prefetch) and facts stream (stored, removed),
+It consumes the node's client stream (access, put, prefetch, remote_read, pin) and facts stream (stored, removed),
 asks each pool's Placement what to do, and publishes the resulting commands to the tier workers'
 streams in one pipeline per batch. It never touches block bytes.
 """
@@ -18,11 +18,13 @@ from kvtier.core.events import (
     Copy,
     Demote,
     Evict,
+    Pin,
     Prefetch,
     Promote,
     Put,
     RemoteRead,
     Removed,
+    Retain,
     StagedBlock,
     Store,
     StoreBatch,
@@ -35,12 +37,14 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 
-Sent = Store | StoreBatch | Promote | Demote | Copy | Evict  # a command as it goes on the wire
+Sent = Store | StoreBatch | Promote | Demote | Copy | Evict | Retain  # a command as it goes on the wire
 
 
 def command_stream(names: StreamNames, cmd: Sent) -> str:
     if isinstance(cmd, (Promote, Demote, Copy)):
         return names.tier(cmd.dst)
+    if isinstance(cmd, Retain):
+        return names.tier(Tier.REDIS)
     return names.tier(cmd.tier)
 
 
@@ -81,6 +85,12 @@ class Coordinator:
             cmds = rt.placement.on_access(ev.keys, time.monotonic())
         elif isinstance(ev, Prefetch):
             cmds = rt.placement.on_prefetch(ev.keys, ev.head_parent, time.monotonic())
+        elif isinstance(ev, Pin):
+            verdict, retain = rt.placement.on_pin(ev.keys, ev.tenant, ev.ttl_s, time.monotonic())
+            if verdict.refused:  # counted by the pins too; said here, once per request
+                self.log.warning("coordinator.pin_refused", pool=rt.name, tenant=ev.tenant, blocks=len(ev.keys),
+                                 refused=verdict.refused, reason=verdict.reason)
+            cmds = [] if retain is None else [retain]
         elif isinstance(ev, RemoteRead):
             rt.counters.remote_reads += len(ev.keys)
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
@@ -109,8 +119,9 @@ class Coordinator:
         except BaseException:
             # Nothing was acked: the batch comes back. Forget the marks these commands made so
             # that the replay decides afresh (a mark left behind would pin a block or eat room).
-            for c in cmds:
-                self.pools[c.pool].placement.revert(c.stores() if isinstance(c, StoreBatch) else [c])
+            for c in cmds:  # (a pin stands: the replayed request extends it, charging nothing twice)
+                if not isinstance(c, Retain):
+                    self.pools[c.pool].placement.revert(c.stores() if isinstance(c, StoreBatch) else [c])
             self.applied.discard()
             self._facts.clear()  # the batch comes back, and its facts with it
             raise

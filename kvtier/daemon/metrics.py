@@ -23,6 +23,7 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_ready_seconds
   kvtier_disk_up, kvtier_disk_lost_blocks, kvtier_disk_adopted_blocks, kvtier_disk_scanned_slots,
   kvtier_disk_admissions_total (the disk tier: kvtier/tiers/disk.py; its blocks are in kvtier_tier_* tier="disk")
+  kvtier_pinned_blocks{pool,tenant}, kvtier_pinned_bytes, kvtier_pins_total{pool,outcome} (session pins)
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class DaemonCollector(Collector):
         yield from gauges.values()
         yield from _arena_gauges(s)
         yield from _disk_metrics(s)
+        yield from _pin_metrics(s)
         yield from tier_c.values()
         yield hist
         yield from pool_c.values()
@@ -180,6 +182,31 @@ def _disk_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetricFa
         for reason, n in sorted(d["admission"].items()):
             admissions.add_metric([pool, reason], n)
     return [*out.values(), admissions]
+
+
+PIN_OUTCOMES = ("pinned", "extended", "refused_budget", "refused_node", "released", "expired", "retained",
+                "retain_errors")
+
+
+def _pin_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    """Session pins (kvtier/core/pins.py). The tenant label is bounded: the snapshot names the
+    top tenants and sums the rest as "other"."""
+    blocks = GaugeMetricFamily("kvtier_pinned_blocks", "Blocks session pins hold, by the tenant charged",
+                               labels=["pool", "tenant"])
+    nbytes = GaugeMetricFamily("kvtier_pinned_bytes", "Bytes session pins hold", labels=["pool"])
+    outcomes = CounterMetricFamily("kvtier_pins", "Blocks pinned, extended, refused (over the tenant's budget or "
+                                   "the node's share), let go, expired; Redis copies retained or not",
+                                   labels=["pool", "outcome"])
+    for pool, p in sorted(s.get("pools", {}).items()):
+        pins = p.get("pins")
+        if not pins:
+            continue
+        for tenant, n in sorted(pins["tenants"].items()):
+            blocks.add_metric([pool, tenant], n)
+        nbytes.add_metric([pool], pins["bytes"])
+        for outcome in PIN_OUTCOMES:
+            outcomes.add_metric([pool, outcome], pins[outcome])
+    return [blocks, nbytes, outcomes]
 
 
 class MetricsServer:

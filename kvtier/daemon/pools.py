@@ -9,10 +9,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from kvtier.config import ArenaConfig, DiskConfig, PolicyConfig, PoolConfig, RedisConfig
+from kvtier.config import ArenaConfig, DiskConfig, PinsConfig, PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
+from kvtier.core.pins import PinRules
 from kvtier.core.policy import Placement
 from kvtier.daemon.arena import open_cpu_arena
 from kvtier.disk.blockfile import DiskBlockFile
@@ -65,7 +66,8 @@ def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
 
 
 def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
-              gid: int | None, log, arena: ArenaConfig | None = None, disk: DiskConfig | None = None) -> PoolRuntime:
+              gid: int | None, log, arena: ArenaConfig | None = None, disk: DiskConfig | None = None,
+              pins: PinsConfig | None = None) -> PoolRuntime:
     """Open the pool's tiers. The cpu arena is in service for its first chunk only: the rest
     comes as kvtier/daemon/population.py populates it (`rt.arena`); an arena within one chunk
     is fully in service on return. A disk tier whose file was adopted has no slot in service
@@ -74,7 +76,7 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
     files: list[DiskBlockFile] = []  # closed (never deleted) likewise
     try:
         return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created, arena or ArenaConfig(),
-                          disk or DiskConfig(), files)
+                          disk or DiskConfig(), files, pins or PinsConfig())
     except BaseException:
         for seg in created:
             seg.close()
@@ -121,7 +123,7 @@ def open_disk_file(cfg: PoolConfig, node: str, layout: BlockLayout, disk: DiskCo
 
 def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
                gid: int | None, log, created: list[ShmSegment], arena_cfg: ArenaConfig, disk_cfg: DiskConfig,
-               files: list[DiskBlockFile]) -> PoolRuntime:
+               files: list[DiskBlockFile], pins: PinsConfig) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
@@ -174,7 +176,8 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
         log.info("pool.gpu_ready", device=str(device) if device_type != "cpu" else "cpu", blocks=cfg.gpu_blocks,
                  block_bytes=bb)
 
-    placement = Placement(cfg.name, indices, policy_knobs(policy))  # from here on the one owner of the indices
+    placement = Placement(cfg.name, indices, policy_knobs(policy),  # from here on the one owner of the indices
+                          pin_rules=PinRules(pins.budget_bytes, {}, pins.max_ttl_s, pins.node_share), block_bytes=bb)
     table = arena.table
     cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
     fill = ArenaFill(cpu_tier, arena.filler, arena.backing, arena.warm,

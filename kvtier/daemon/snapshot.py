@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import asdict
 from typing import Any
 
 from kvtier.core.events import Tier
+from kvtier.core.pins import Pins
 from kvtier.tiers.pool import PoolRuntime
+
+TOP_TENANTS = 8  # tenants shown by name (the most blocks pinned); the rest add up under "other"
 
 
 def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
@@ -45,9 +50,28 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "resync_missing": rt.counters.resync_missing,
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
+        "pins": pins_snapshot(rt.placement.pins, rt.counters.pins_retained, rt.counters.pin_retain_errors),
         "arena": rt.arena.stats() if rt.arena is not None else None,
         "disk": _disk(rt),
     }
+
+
+def expire_pins(pools: Iterable[PoolRuntime], now: float) -> None:
+    """End the pins whose time is up. Every decision does so first; this is for the figures, and
+    runs on the event loop, with the decisions (never in the metrics thread)."""
+    for rt in pools:
+        rt.placement.pins.expire(now)
+
+
+def pins_snapshot(pins: Pins, retained: int, retain_errors: int) -> dict[str, Any]:
+    """Session pins: blocks and bytes held now, per tenant (bounded: the top TOP_TENANTS and
+    "other"; "" is the tenant a pin names none), and what pins did since the start."""
+    held = sorted(pins.held().items(), key=lambda kv: (-kv[1], kv[0]))
+    tenants = dict(held[:TOP_TENANTS])
+    if rest := sum(n for _, n in held[TOP_TENANTS:]):
+        tenants["other"] = tenants.get("other", 0) + rest
+    return {"blocks": len(pins), "bytes": len(pins) * pins.block_bytes, "tenants": tenants,
+            **asdict(pins.counts), "retained": retained, "retain_errors": retain_errors}
 
 
 def _disk(rt: PoolRuntime) -> dict[str, Any] | None:

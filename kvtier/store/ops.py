@@ -17,6 +17,7 @@ class Op(enum.StrEnum):
     SET = "SET"
     DEL = "DEL"
     EXISTS = "EXISTS"
+    EXPIRE = "EXPIRE"
     EVAL = "EVAL"
     EVALSHA = "EVALSHA"
     ASKING = "ASKING"  # before a command sent to a cluster node importing its slot
@@ -29,3 +30,4 @@ class Op(enum.StrEnum):
 
 SCRIPTS = frozenset({Op.EVAL, Op.EVALSHA})  # their key comes after the script and the key count
 EX = "EX"  # SET's option: expire after so many seconds
+GT = "GT"  # EXPIRE's option: only lengthen a time to live (a key with none keeps none)

@@ -25,7 +25,7 @@ from kvtier.shm.slots import checksum
 from kvtier.store.batches import batches_for
 from kvtier.store.bulk_reads import Landing, WrongLength
 from kvtier.store.commands import bounded_gather, pipelines
-from kvtier.store.ops import EX, Op
+from kvtier.store.ops import EX, GT, Op
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -141,6 +141,13 @@ class RedisBlocks:
         cluster, a master that is down fails only the items it serves)."""
         replies = await self.batches.run([(Op.SET, self.name(key), value, *self._ex()) for key, value in items],
                                          per_pipeline=self.per_pipeline, width=self.connections)
+        return [r if isinstance(r, Exception) else None for r in replies]
+
+    async def retain(self, keys: Sequence[bytes], ttl_s: int) -> list[Exception | None]:
+        """Keep the values of `keys` for at least `ttl_s` more seconds (EXPIRE GT: a longer time to
+        live stays, an absent key stays absent); per key, None or the error Redis gave."""
+        replies = await self.batches.run([(Op.EXPIRE, self.name(k), ttl_s, GT) for k in keys],
+                                         per_pipeline=1024, width=self.connections)
         return [r if isinstance(r, Exception) else None for r in replies]
 
     def new_value(self) -> tuple[memoryview, npt.NDArray[np.uint8]]:

@@ -14,9 +14,11 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from kvtier.core.events import Copy, Demote, Promote, Store
+from kvtier.bus.failures import REDIS_ERRORS
+from kvtier.core.events import Copy, Demote, Promote, Retain, Store
 from kvtier.failpoints import Failpoints
 from kvtier.keys import BlockKey
+from kvtier.logs import Log
 from kvtier.tiers.pool import PoolRuntime
 
 Got = tuple[np.ndarray, int] | None | Exception  # a GET's outcome: (payload, checksum), a miss, an error
@@ -103,3 +105,19 @@ def _by_pool(items: list[Q]) -> list[tuple[PoolRuntime, list[Q]]]:
     for item in items:
         groups.setdefault(item.rt.name, (item.rt, []))[1].append(item)
     return list(groups.values())
+
+
+async def retain(rt: PoolRuntime, ev: Retain, log: Log) -> None:
+    """A session pin's Redis side: lengthen the copies' time to live (never shorten it). A
+    failure is counted and logged: the pin still holds on the node, the Redis copy may expire."""
+    if ev.ttl_s <= 0 or not ev.keys:
+        return
+    try:
+        errors = [e for e in await rt.redis.retain(ev.keys, ev.ttl_s) if e is not None]
+    except REDIS_ERRORS as e:  # the whole ask failed (Redis down): every key of it
+        errors = [e] * len(ev.keys)
+    rt.counters.pins_retained += len(ev.keys) - len(errors)
+    if errors:
+        rt.counters.pin_retain_errors += len(errors)
+        log.warning("redis.retain_failed", pool=rt.name, keys=len(ev.keys), failed=len(errors),
+                    error=f"{type(errors[0]).__name__}: {errors[0]}")

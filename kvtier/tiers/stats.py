@@ -55,6 +55,8 @@ class PoolCounters:
     remote_reads: int = 0  # blocks clients read straight from Redis (read-through)
     resync_missing: int = 0  # local blocks the re-replication sweep found missing in Redis
     resync_copies: int = 0  # of those, copied to Redis again (write-through)
+    pins_retained: int = 0  # Redis copies of session-pinned blocks whose time to live was lengthened (asked)
+    pin_retain_errors: int = 0  # ... where Redis failed the ask (the copy may expire before the pin)
     tiers: dict[str, TierCounters] = field(
         default_factory=lambda: {t: TierCounters() for t in ("gpu", "cpu", "disk", "redis")}
     )

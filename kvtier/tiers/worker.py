@@ -34,6 +34,7 @@ from kvtier.core.events import (
     Failure,
     Promote,
     Reason,
+    Retain,
     Store,
     StoreBatch,
     Tier,
@@ -53,7 +54,7 @@ from kvtier.tiers.facts import Fact, Facts, Received
 from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.pool import PoolRuntime, SlotTier
-from kvtier.tiers.redis_batch import Got, QueuedGet, QueuedSet, RedisBatch
+from kvtier.tiers.redis_batch import Got, QueuedGet, QueuedSet, RedisBatch, retain
 from kvtier.tiers.staged import CHANGED, NO_ROOM, StagedStores
 from kvtier.tiers.writes import LocalWrites
 
@@ -108,6 +109,10 @@ class TierWorker:
         rt = self.pools.get(ev.pool)
         if rt is None:
             raise MalformedEvent(f"unknown pool {ev.pool!r}")
+        if isinstance(ev, Retain) and self.tier == Tier.REDIS:
+            await self._drain()  # this batch's queued SETs first: a SET sets the pool's TTL afresh
+            await retain(rt, ev, self.log)
+            return
         if not isinstance(ev, (Store, StoreBatch, Promote, Demote, Copy, Evict)) or _target(ev) != self.tier:
             raise MalformedEvent(f"{ev.TYPE} event is not a command for the {self.tier.label} worker")
         if self.applied.duplicate(d.envelope):  # carried out already, its facts published

@@ -292,6 +292,7 @@ class PolicyMachine(RuleBasedStateMachine):
         # before the prefetch may still finish, as long as it leaves a local copy.
         stays = any(k in self.data[u] for u in NODE if u != t)  # another copy on the node
         assert self.leases.get(k, 0.0) <= self.now or stays, f"{k!r} left the node under a prefetch lease"
+        assert k not in self.p.pins or stays, f"{k!r} left the node under a session pin"
         if not stays:
             for u in NODE:
                 assert u == t or self.idx[u].children(k) == 0, f"{k!r} left the node while a child sits in {u.label}"
@@ -326,6 +327,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 f"{c}: sends a parent of cpu or disk blocks off the node"
             if isinstance(c, Evict):
                 assert c.reason in DROP_REASONS or any(c.key in self.idx[u] for u in Tier if u > t), c
+            assert on_node or c.key not in self.p.pins, f"{c}: sends a session-pinned block off the node"
         chosen = [c for c in shed if not isinstance(c, Promote)]
         if reader is not None and chosen and sum(self.pins.values()) < 3:
             c = chosen[reader % len(chosen)]
@@ -420,6 +422,19 @@ class PolicyMachine(RuleBasedStateMachine):
         t, k = data.draw(st.sampled_from(sorted(+self.pins)))
         self.idx[t].unpin(k)
         self.pins[(t, k)] -= 1
+
+    @rule(path=paths, ttl=st.sampled_from([0, 1, 10, 2 * T]), tenant=st.sampled_from(["", "x"]))
+    def session_pin(self, path, ttl, tenant) -> None:
+        """A session pin (or its release, ttl 0): what was pinned stays on the node until it ends
+        (checked in `drop` and `flush`), and its Redis copies are asked to live as long."""
+        verdict, retain = self.p.on_pin(path, tenant, ttl, self.now)
+        self.expired()
+        assert all(k in self.p.pins and self.p.pins.until(k) >= self.now + ttl for k in verdict.pinned)
+        assert retain is None if not verdict.pinned else (retain.keys == verdict.pinned and retain.ttl_s == ttl)
+        for k in verdict.pinned:  # a move off the node decided before the pin is called off
+            assert not any((e := self.idx[t].get(k)) is not None and e.leaving and self.p.held_below(t, k) not in NODE
+                           and not any(c for c in (CPU, DISK) if self.p._demoting.get((c, k)) == t) for t in NODE)
+        assert len(self.p.pins) <= self.p.pins.rules.node_share * self.p.node_slots()
 
     @precondition(lambda self: self.data[REDIS])
     @rule(data=st.data())
