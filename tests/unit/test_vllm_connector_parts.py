@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.integrations.vllm.connector_config import ConnectorConfigError, ConnectorSettings, KeyNamespace, rank_salt
+from kvtier.integrations.vllm.connector_config import (
+    ConnectorConfigError,
+    ConnectorSettings,
+    KeyNamespace,
+    rank_salt,
+    request_opt_outs,
+    request_pin,
+)
 from kvtier.integrations.vllm.connector_copy import block_view, gather_blocks, page_shape, scatter_blocks
 
 NS = KeyNamespace(model="m", weights='{"weights":"content:aa"}', engine_version="0.32", block_size=32, layers=2,
@@ -27,6 +34,16 @@ def test_settings_report_every_problem_at_once():
     for part in ("'pool'", "'lookup_timeout_ms'", "'staging_blocks'", "'load_async' must be true or false",
                  "unknown keys ['colour', 'redis_wait_ms']"):
         assert part in msg
+
+
+def test_kv_transfer_params_opt_out_and_pin():
+    assert request_opt_outs(None) == (True, True)
+    assert request_opt_outs({"kvtier": {"save_decode": False}, "other": 1}) == (True, False)
+    assert request_pin({"kvtier": {"pin_s": 120, "tenant": "agent-7"}}) == (120, "agent-7")
+    assert request_pin({"kvtier": {"pin_s": 30}}) == (30, "")
+    assert request_pin({"kvtier": {"save": False}}) is None and request_pin({"kvtier": 5}) is None
+    assert request_pin("garbage") is None
+    assert request_pin({"kvtier": {"pin_s": "a while"}}) == ("a while", "")  # the client refuses it (BadRequest)
 
 
 def test_salt_separates_ranks_groups_tenants_and_layouts():

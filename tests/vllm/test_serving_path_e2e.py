@@ -7,6 +7,7 @@
   chunked prefill: their loads run asynchronously beside the decoders, every prefix is loaded,
   and every output is the no-connector engine's up to drift.
 - Preemption: a KV cache too small for the batch, with and without the connector.
+- A request whose kv_transfer_params ask for a session pin has its blocks pinned once it finishes.
 
 vLLM's CPU kernels are not batch-invariant: a request batched differently drifts by about 1e-2
 in logprob and may then part at a near-tie. Wrong KV shifts the logprobs far more, and before
@@ -40,6 +41,7 @@ BURST_PREFIXES = [toks(10 * BS) for _ in range(12)]
 BURST = [{"prompt": p + toks(8), "max_tokens": 4, "logprobs": True} for p in BURST_PREFIXES]
 DECODERS = [{"prompt": toks(40), "max_tokens": 48, "logprobs": True} for _ in range(4)]
 PREEMPT = [{"prompt": p[:3 * BS] + toks(5), "max_tokens": 96, "logprobs": True} for p in BURST_PREFIXES]
+PINNED = toks(3 * BS + 5)  # an agent's turn that asks kvtier to keep its three blocks
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, prefix_caching=False)  # chunked prefill
 SMALL = dict(max_num_seqs=12, kv_cache_mib=1, max_model_len=512, prefix_caching=False)  # 32 blocks for ~80 needed
 TOL = 0.05  # chosen-token logprob drift allowed (measured: at most 0.008)
@@ -76,6 +78,10 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
         rec["base_preempt"] = e.generate_batch(PREEMPT)
     with EngineProcess(tiny_model, logs / "a.log", connector_config(POOL, a.runtime_dir), **ENGINE) as e:
         rec["a_t1"] = e.generate(T1, TURN1_TOKENS)
+        e.generate(PINNED, 4, kv_transfer_params={"kvtier": {"pin_s": 600, "tenant": "agent-7"}})
+        wait_until(lambda: (a.pool_stats(POOL).get("pins") or {}).get("blocks") == 3, timeout=30,
+                   message="the finished request's blocks pinned")
+        rec["a_pins"] = a.pool_stats(POOL)["pins"]
         # The prefixes, computed and saved once (a request's own next one would find them too).
         e.generate_batch([{"prompt": p + [7], "max_tokens": 1} for p in BURST_PREFIXES])
         wait_until(lambda: a.pool_stats(POOL)["tiers"]["redis"]["copied_in"] >= 9 + 12 * 10, timeout=60,
@@ -98,6 +104,12 @@ def test_a_second_turn_loads_the_first_turns_decode_blocks_on_another_node(recor
     assert record["b_t2"]["cached"] == 9 * BS
     assert record["b_t2"]["tokens"] == record["base_t2"]["tokens"]
     assert counts(record["b_log"], "worker")["load_remote_blocks"] == 9
+
+
+def test_a_request_that_asks_for_a_pin_has_its_blocks_pinned_once_it_finishes(record):
+    pins = record["a_pins"]
+    assert pins["tenants"] == {"agent-7": 3} and pins["retained"] == 3 and pins["refused_budget"] == 0
+    assert counts(record["a_log"])["pinned_blocks"] == 3
 
 
 def test_twelve_loads_beside_four_decoders_all_load_and_agree_with_no_connector(record):

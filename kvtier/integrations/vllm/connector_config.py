@@ -103,6 +103,17 @@ def request_opt_outs(params: Any) -> tuple[bool, bool]:
     return mine.get("save", True) is not False, mine.get("save_decode", True) is not False
 
 
+def request_pin(params: Any) -> tuple[Any, Any] | None:
+    """(seconds, tenant) of the session pin a request asks for in its kv_transfer_params
+    {"kvtier": {"pin_s": 120, "tenant": "agent-7"}}: the blocks it saved are kept on the node that
+    long once it finishes (Client.pin; the client checks the values, and a bad one is a logged,
+    counted failure, never the request's). None when it asks for none."""
+    mine = params.get("kvtier") if isinstance(params, dict) else None
+    if not isinstance(mine, dict) or "pin_s" not in mine:
+        return None
+    return mine["pin_s"], mine.get("tenant", "")
+
+
 @dataclass(frozen=True, slots=True)
 class KeyNamespace:
     """What a vLLM block's bytes mean, from facts the scheduler and every worker share."""

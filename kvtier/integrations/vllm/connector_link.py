@@ -37,6 +37,7 @@ CONNECTOR_COUNTERS = (  # besides the link's own (LINK_COUNTERS), reported throu
     "saved_blocks",
     "save_skipped_blocks",  # already resident on this node
     "save_dropped_blocks",  # no staging room in time, or the daemon unreachable
+    "pinned_blocks",  # blocks finished requests asked kvtier to keep (kv_transfer_params pin_s), per chain
 )
 
 

@@ -20,6 +20,7 @@ class TrackedRequest:
     lora_name: str | None
     save: bool = True  # kv_transfer_params may opt a request out of saves, or of decode saves
     save_decode: bool = True
+    pin: tuple[Any, Any] | None = None  # (seconds, tenant) from kv_transfer_params: pinned when it finishes
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     saved: int = 0  # leading blocks already in kvtier or handed to it
     local_tokens: int = 0  # the (block-aligned) local hit vLLM last showed us

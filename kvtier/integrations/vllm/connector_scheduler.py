@@ -29,7 +29,14 @@ from typing import Any
 
 from kvtier.core.load_cost import LoadCosts, LoadPlan
 from kvtier.integrations.link import EngineLink
-from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, rank_salt, request_opt_outs
+from kvtier.integrations.vllm.connector_config import (
+    ConnectorSettings,
+    KeyNamespace,
+    rank_salt,
+    request_opt_outs,
+    request_pin,
+)
+from kvtier.integrations.vllm.connector_lookup import redis_reach
 from kvtier.integrations.vllm.connector_requests import MAX_LOADS, TrackedRequest
 from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart, TransferPlan
 from kvtier.integrations.vllm.kv_groups import GroupRule, complete_prefix, held_part
@@ -75,9 +82,11 @@ class SchedulerPlanner:
         t = self.reqs.get(request.request_id)
         if t is None:
             lora = getattr(request, "lora_request", None)
-            save, save_decode = request_opt_outs(getattr(request, "kv_transfer_params", None))
+            params = getattr(request, "kv_transfer_params", None)
+            save, save_decode = request_opt_outs(params)
             t = TrackedRequest(request, tuple(request.prompt_token_ids or ()), getattr(request, "cache_salt", None),
-                         None if lora is None else str(lora.lora_name), save, save_decode and self.s.save_decode)
+                               None if lora is None else str(lora.lora_name), save, save_decode and self.s.save_decode,
+                               pin=request_pin(params))
             self.reqs[request.request_id] = t
             self.link.counters.add("lookups")
         return t
@@ -118,7 +127,7 @@ class SchedulerPlanner:
         t.saved = max(t.saved, local)
         reach = local
         if local < max_blocks and self.s.read_through:
-            r = self._redis_reach(t, keys)
+            r = redis_reach(self.link, self.s.pool, self.s.lookup_timeout_s, t, keys)
             if r is None:
                 if t.tries < self.s.lookup_tries:
                     self.link.counters.add("lookup_retries")
@@ -150,33 +159,6 @@ class SchedulerPlanner:
         if not self.own:
             return local, keys, local
         return local, keys, complete_prefix(self.chain_rules, self.own.landing(keys, present), max_blocks)
-
-    def _redis_reach(self, t: TrackedRequest, keys: list[list[bytes]]) -> int | None:
-        """How far every chain's prefix can be read, from this node or Redis (one bounded round
-        trip per chain, asked once per request; None: it timed out, ask again). A sliding-window
-        group's run is asked from its first block: older parts Redis lost cost a miss here, never
-        a wrong load."""
-        if t.reach is not None:
-            return t.reach
-        t.tries += 1
-        timeout = self.s.lookup_timeout_s
-
-        def locate(c, k: list[bytes]) -> int | None:
-            try:
-                found = c.locate(self.s.pool, k, timeout=timeout)
-            except TimeoutError:  # the link is fine (not the guard's "lost"): this lookup was slow
-                return None
-            return int(found.length + found.redis_length)
-
-        reach = len(keys[0])
-        for k in keys:
-            r = self.link.guard("redis lookup", 0, lambda c, k=k: locate(c, k))
-            if r is None:
-                self.link.counters.add("lookup_timeouts")
-                return None
-            reach = min(reach, r)
-        t.reach = reach
-        return reach
 
     # --- update_state_after_alloc / build_connector_meta ---------------------------------------
 
@@ -305,9 +287,23 @@ class SchedulerPlanner:
 
     def finished(self, request, block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done: True when its last computed blocks still need saving, in the
-        next step (vLLM then keeps its blocks until the worker reports the save staged)."""
+        next step (vLLM then keeps its blocks until the worker reports the save staged). What it
+        saved is pinned when it asked for a pin."""
         t = self.reqs.pop(request.request_id, None)
-        if t is None or not (self.do_save and t.save and t.save_decode):
+        later = t is not None and self._final_save(t, request, block_ids)
+        if t is not None and t.pin is not None and t.saved:
+            self.link.guard("pin", None, lambda c: self._pin(c, t, request))
+        return later
+
+    def _pin(self, client, t: TrackedRequest, request) -> None:
+        """Pin every chain's saved blocks (the final save's too: a pin may come before its blocks)."""
+        ttl, tenant = t.pin  # type: ignore[misc]
+        for keys in self._keys(client, t, t.saved, getattr(request, "all_token_ids", None) or t.prompt):
+            client.pin(self.s.pool, keys, ttl, tenant=tenant, timeout=self.s.call_timeout_s)
+            self.link.counters.add("pinned_blocks", len(keys))
+
+    def _final_save(self, t: TrackedRequest, request, block_ids: Sequence[Sequence[int]]) -> bool:
+        if not (self.do_save and t.save and t.save_decode):
             return False
         t.block_ids = [list(ids) for ids in block_ids]
         computed = int(getattr(request, "num_computed_tokens", 0) or 0)
