@@ -48,8 +48,8 @@ async def work(rdir: str, seed: int, out: int) -> None:
             if op < 0.55:
                 await client.pin("t", keys, 3, tenant="killed")  # short: the test sees them expire
             n = await client.get("t", keys, got, remote=rng.random() < 0.3)
-            bad = next((i for i in range(n) if not torch.equal(got[i].view(torch.int16), kv[chain][i].view(torch.int16))),
-                       None)
+            want = kv[chain].view(torch.int16)
+            bad = next((i for i in range(n) if not torch.equal(got[i].view(torch.int16), want[i])), None)
             os.write(out, b"ok %d\n" % n if bad is None else b"WRONG %d %d\n" % (chain, bad))
 
 
