@@ -77,6 +77,19 @@ class Placement(Promotion):
         self._now = 0.0  # the time of the latest decision (every one passes it in)
         self.pins = Pins(pin_rules or PinRules(), block_bytes, self.node_slots)
 
+    def caches(self) -> dict[str, tuple[int, int]]:
+        """What the policy remembers besides the tier indices, each as (entries, the most it may
+        hold). What it keeps per block in flight (commands, leaving marks, spilled puts' copies)
+        is bounded in time instead: `transfer_timeout_s`."""
+        node = self.node_slots()
+        return {
+            "redis_record": (len(self.tiers[Tier.REDIS]), node),  # only while a node copy exists
+            "remote_reads": (len(self._remote_reads), max(1, sum(self.tiers[t].capacity or 0 for t in LOCAL))),
+            "leases": (len(self._leases), self._lease_cap),
+            "prefetch_waiting": (len(self._wanted), (self.tiers[Tier.CPU].capacity or 0) // 2),
+            "pins": (len(self.pins), int(self.pins.rules.node_share * node)),
+        }
+
     # --- session pins --------------------------------------------------------------------------
 
     def on_pin(self, keys: Sequence[BlockKey], tenant: str, ttl_s: int, now: float

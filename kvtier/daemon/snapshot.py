@@ -50,6 +50,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "resync_missing": rt.counters.resync_missing,
         "resync_copies": rt.counters.resync_copies,
         "tiers": tiers,
+        "caches": {name: {"entries": n, "bound": most} for name, (n, most) in rt.placement.caches().items()},
         "pins": pins_snapshot(rt.placement.pins, rt.counters.pins_retained, rt.counters.pin_retain_errors),
         "arena": rt.arena.stats() if rt.arena is not None else None,
         "disk": _disk(rt),
