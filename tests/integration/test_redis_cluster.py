@@ -82,6 +82,27 @@ async def test_two_nodes_share_blocks_over_a_cluster_and_blocks_spread_over_ever
     rc.close()
 
 
+async def test_a_session_pin_lengthens_the_ttl_of_blocks_on_every_master(daemon_factory, cluster):
+    """Pins' Redis side on a cluster: each block's EXPIRE goes to the master that serves it."""
+    a = daemon_factory(node="a", redis_url=cluster.url, extra=THROUGH, gpu=8, cpu=64)
+    rc = cluster.client()
+    async with await Client.connect(a.runtime_dir) as c:
+        chains = await put_chains(c, 6, seed=7)
+        every = [k for keys, _ in chains for k in keys]
+        await async_wait_until(lambda: in_redis(rc, every), timeout=20, message="written through to the cluster")
+        for k in every:
+            rc.expire(redis_block_key("t", k), 5)  # copies about to expire
+        for keys, _ in chains:
+            await c.pin("t", keys, 300, tenant="agent")
+        await async_wait_until(lambda: (a.pool_stats().get("pins") or {}).get("retained") == len(every), timeout=20,
+                               message="every copy's TTL lengthened")
+        assert a.pool_stats()["pins"]["retain_errors"] == 0
+        ttls = [rc.ttl(redis_block_key("t", k)) for k in every]
+        assert all(250 < t <= 300 for t in ttls), ttls
+        assert len({cluster.owner_of(redis_block_key("t", k)).addr for k in every}) > 1, "one master holds them all"
+    rc.close()
+
+
 async def test_resharding_under_load_loses_nothing_and_reads_nothing_wrong(daemon_factory, cluster):
     """Slots move while node A puts and nodes B and C read through Redis: node A's own stream slot
     (its bus follows MOVED), and 1500 block slots held half-migrated while the load runs (puts and
