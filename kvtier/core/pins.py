@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import BlockKey
 
-DEFAULT_TENANT = ""  # a pin that names no tenant
-
 
 @dataclass(frozen=True, slots=True)
 class PinRules:
