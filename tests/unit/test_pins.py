@@ -157,3 +157,22 @@ def test_a_pin_names_its_tenant_and_time_on_the_wire() -> None:
     for bad in (Pin("t", (k(1),), -1, ""), Pin("t", (k(1),), 5, "two words"), Pin("t", (k(1),), 5, "x" * 200)):
         with pytest.raises(MalformedEvent):
             decode(encode(Envelope(bad, "c", 1, 3)))
+
+
+def test_status_and_the_snapshot_show_pins_with_a_bounded_tenant_list() -> None:
+    from kvtier.daemon.snapshot import TOP_TENANTS, pins_snapshot
+    from kvtier.status import render_status
+
+    pins = Pins(PinRules(budget_bytes=20 * BB), BB, lambda: 10_000)
+    for t in range(TOP_TENANTS + 3):  # more tenants than get a name of their own
+        pins.pin([k(100 * t + i) for i in range(t + 1)], f"tenant-{t}", 60, NOW)
+    pins.pin([k(9999)], "", 60, NOW)
+    snap = pins_snapshot(pins, retained=5, retain_errors=1)
+    assert len(snap["tenants"]) == TOP_TENANTS + 1 and snap["tenants"]["tenant-10"] == 11
+    assert snap["tenants"]["other"] == 1 + 1 + 2 + 3  # tenants 0 to 2 and the unnamed one: the smallest
+    assert sum(snap["tenants"].values()) == snap["blocks"] == len(pins)
+    tier = {"blocks": 0, "capacity": 4, "bytes": 0, "capacity_bytes": 4 << 20}
+    pool = {"block_bytes": BB, "puts": 0, "puts_dropped": 0, "misses": 0, "redis_corrupt": 0,
+            "tiers": {"cpu": tier}, "pins": snap}
+    line = render_status({"node": "n", "pid": 1, "uptime_s": 3, "pools": {"p": pool}})
+    assert f"pins   {len(pins)} blocks" in line and "tenant-10 11" in line and "1 Redis TTLs not lengthened" in line
