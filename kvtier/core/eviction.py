@@ -46,10 +46,9 @@ def evict_verdict(p: Placement, t: Tier, key: BlockKey, reason: Reason) -> Verdi
     if not entry.leaving:
         return Verdict.STALE
     # The leaving mark holds one pin; any more is a reader's.
-    if idx.children(key) or entry.pins > 1 or p.strands_children(t, key):
+    # A session pin since it was chosen keeps its last copy on the node (kept_on_node).
+    if idx.children(key) or entry.pins > 1 or p.kept_on_node(t, key):
         return Verdict.BUSY
-    if key in p.pins and not any(key in p.tiers[u] for u in NODE if u > t):
-        return Verdict.BUSY  # session-pinned since it was chosen, and this is its last copy on the node
     if any(key in p.tiers[u] for u in NODE if u > t):  # a copy stays on the node (gpu: cpu or disk; cpu: disk)
         return Verdict.DROP
     if reason in DROP_REASONS and p.reused(key):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, TierIndex
-from kvtier.core.pins import PinRules, Pins
+from kvtier.core.pins import Pins
 from kvtier.core.residency import NODE, Residency
 from kvtier.keys import BlockKey
 
@@ -70,6 +70,8 @@ class InFlight:
 
 
 class Room(Residency):
+    pins: Pins  # session pins (core/pins.py), kept on the node: Placement makes them, with the pool's rules
+
     def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
         super().__init__(tiers)
         self._incoming: dict[Tier, InFlight] = {t: InFlight() for t in NODE}
@@ -77,8 +79,6 @@ class Room(Residency):
         # Prefetched blocks waiting for a free cpu slot, in request order (a chain's head
         # first): key -> (parent, give-up time). Promoted as shedding frees room (core/promotion.py).
         self._wanted: dict[BlockKey, tuple[BlockKey | None, float]] = {}
-        # Session pins (core/pins.py): kept on the node. Placement sets the pool's own rules.
-        self.pins = Pins(PinRules(), 1, self.node_slots)
 
     def node_slots(self) -> int:
         """The node's slots in service now (gpu, cpu and disk)."""
@@ -132,7 +132,7 @@ class Room(Residency):
         its pin is ours, not a reader's."""
         lower = self.held_below(t, e.key)
         return (e.pins == int(e.leaving) and lower is not None and e.key not in self._leases
-                and (lower in NODE or e.key not in self.pins) and not self.strands_children(t, e.key, lower))
+                and not self.kept_on_node(t, e.key, lower))
 
     def _clean_spares(self, t: Tier, want: int) -> int:
         """How many more blocks a full `t` can take now, at most `want`: the worker makes room
@@ -166,6 +166,14 @@ class Room(Residency):
     def children(self, t: Tier, key: BlockKey) -> int:
         """Children of `key` in local tier `t`: visible there, or on their way in."""
         return self.tiers[t].children(key) + self._incoming[t].kids(key)
+
+    def kept_on_node(self, t: Tier, key: BlockKey, dst: Tier | None = None) -> bool:
+        """Whether `key` may not leave node tier `t` for `dst` (None: dropped, the copy below
+        stays, if any): the move would take it off the node while a child of it stays there
+        (`strands_children`) or while a session pins it."""
+        if dst is None:
+            dst = self.held_below(t, key) or Tier.REDIS
+        return dst not in NODE and (key in self.pins or self.strands_children(t, key, dst))
 
     def strands_children(self, t: Tier, key: BlockKey, dst: Tier | None = None) -> bool:
         """Whether `key` leaving node tier `t` (for `dst`) would take it off the node while a

@@ -98,11 +98,10 @@ class Shedding(Room):
                 admitted = self._disk_verdict(e) if self.room(Tier.DISK) > 0 else None
                 if admitted is None or not admitted.admitted:
                     dst = Tier.REDIS  # not worth a disk write (or no room there): on to Redis as before
-            if self.strands_children(t, key, dst) or (dst, key) in self._demoting or (
-                    dst not in NODE and key in self.pins):
-                # Tail first across tiers too: it waits for room in cpu, or for its children. One
-                # write-back of a block into a tier at a time (the fact settles one source). And a
-                # session-pinned block does not leave the node.
+            if self.kept_on_node(t, key, dst) or (dst, key) in self._demoting:
+                # Tail first across tiers too (it waits for room in cpu, or for its children), and
+                # a session-pinned block stays. One write-back of a block into a tier at a time (the
+                # fact settles one source).
                 continue
             if admitted is not None:
                 self.disk_admissions.counts[admitted] += 1

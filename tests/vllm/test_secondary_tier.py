@@ -180,6 +180,18 @@ def tiers():
         tier.shutdown()
 
 
+def store_through(tier, keys, cids, redis_server) -> None:
+    """Store chunks through `tier` (a node under WRITE_THROUGH) and wait until Redis holds them."""
+    tier.submit_store(job(1, keys, cids, load=False))
+    assert finish(tier)[0].success
+    r = redis_server.client()
+    try:
+        wait_until(lambda: all(r.exists(redis_block_key(POOL, tier.keys(k))) for k in keys), timeout=10,
+                   message="the chunks written through to redis")
+    finally:
+        r.close()
+
+
 def test_factory_store_then_load_into_other_chunks(daemon_factory, primaries, tiers):
     d = daemon_factory(node="a", pools_toml=POOLS_TOML)
     view = primaries()
@@ -229,15 +241,7 @@ def test_a_second_node_loads_the_chunks_through_redis(daemon_factory, primaries,
     tier_a, tier_b = tiers(view_a, a.runtime_dir), tiers(view_b, b.runtime_dir)
     keys = [okey(i, "xnode") for i in range(5)]
     data = fill(view_a, range(5), seed=2)
-    tier_a.submit_store(job(1, keys, range(5), load=False))
-    assert finish(tier_a)[0].success
-
-    r = redis_server.client()
-    try:
-        wait_until(lambda: all(r.exists(redis_block_key(POOL, tier_a.keys(k))) for k in keys), timeout=10,
-                   message="node a's chunks written through to redis")
-    finally:
-        r.close()
+    store_through(tier_a, keys, range(5), redis_server)
     assert tier_b.keys(keys[0]) == tier_a.keys(keys[0])  # same deployment, same namespace: same key
     assert resolve(tier_b, keys) == [LookupResult.HIT] * 5  # not local on b: found in Redis
 
@@ -299,14 +303,7 @@ def test_a_resident_chunk_that_fails_its_read_comes_from_redis_instead(daemon_fa
     tier = tiers(view, d.runtime_dir)
     keys = [okey(i, "reread") for i in range(3)]
     data = fill(view, range(3), seed=8)
-    tier.submit_store(job(1, keys, range(3), load=False))
-    assert finish(tier)[0].success
-    r = redis_server.client()
-    try:
-        wait_until(lambda: all(r.exists(redis_block_key(POOL, tier.keys(k))) for k in keys), timeout=10,
-                   message="the chunks written through to redis")
-    finally:
-        r.close()
+    store_through(tier, keys, range(3), redis_server)
     pool = read_json(d.runtime_dir / DESCRIPTOR)["pools"][POOL]
     seg = ShmSegment.attach(f"kvtier.{d.node}.{POOL}.cpu", writable=True, trusted_uid=os.geteuid())
     table = SlotTable.open(seg, Kind.ARENA, bytes.fromhex(pool["fingerprint"]), pool["block_bytes"])
