@@ -32,6 +32,7 @@ from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.deadletter import Entry, Settler
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.bus.publisher import BusStats
+from kvtier.bus.trim import entry_id
 from kvtier.failpoints import Failpoints
 from kvtier.logs import LogThrottle
 
@@ -233,7 +234,7 @@ class Consumer:
         batches = [(self._by_key.get(key, key.decode()), entries) for key, entries in reply]
         for stream, entries in batches:
             if entries and (last := entries[-1][0]) is not None:
-                self._read_to[stream] = _entry_id(last)
+                self._read_to[stream] = entry_id(last)
         await self._batches.handle(batches, counted=False)
         return True
 
@@ -243,13 +244,7 @@ class Consumer:
         if not self._drain_to:  # the drain's first step: where each stream ends now
             for stream in self._streams:
                 newest = await self._redis.xrevrange(stream, count=1)
-                self._drain_to[stream] = _entry_id(newest[0][0] or b"0-0") if newest else (0, 0)
+                self._drain_to[stream] = entry_id(newest[0][0] or b"0-0") if newest else (0, 0)
         if all(self._read_to.get(s, (0, 0)) >= end for s, end in self._drain_to.items()):
             return True
         return not await self._read_new(block=False)
-
-
-def _entry_id(raw: bytes | str) -> tuple[int, int]:
-    """A stream entry id ("ms-seq") as a pair that orders as Redis orders ids."""
-    ms, _, seq = (raw.decode() if isinstance(raw, bytes) else raw).partition("-")
-    return int(ms), int(seq or 0)

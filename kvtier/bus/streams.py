@@ -47,5 +47,9 @@ class StreamNames:
         """Entries that failed validation or kept failing, with the reason."""
         return f"{self._base}:dlq"
 
+    def grouped(self) -> list[str]:
+        """The streams the daemon reads through its consumer group (all but the dead letters)."""
+        return [self.client, self.facts, *(self.tier(t) for t in Tier)]
+
     def all(self) -> tuple[str, ...]:
         return (self.client, *(self.tier(t) for t in Tier), self.facts, self.dlq)

@@ -73,13 +73,16 @@ def integer(lo: int | None = None, hi: int | None = None) -> Check:
     return check
 
 
-def number(*, gt: float | None = None, lt: float | None = None, le: float | None = None) -> Check:
+def number(*, gt: float | None = None, lt: float | None = None, le: float | None = None,
+           ge: float | None = None) -> Check:
     """A finite float; ints are accepted and converted."""
     upper = f"{lt:g})" if lt is not None else (f"{le:g}]" if le is not None else "")
     if gt is not None and upper:
         want = f"a number in ({gt:g}, {upper}"
     elif gt is not None:
         want = f"a number > {gt:g}"
+    elif ge is not None:
+        want = f"a number >= {ge:g}"
     else:
         want = "a number"
 
@@ -87,7 +90,7 @@ def number(*, gt: float | None = None, lt: float | None = None, le: float | None
         ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
         x = float(value) if ok else math.nan
         if not ok or (gt is not None and x <= gt) or (lt is not None and x >= lt) or (
-                le is not None and x > le):
+                le is not None and x > le) or (ge is not None and x < ge):
             raise Invalid(f"expected {want}, got {shown(value)}")
         return x
 

@@ -86,6 +86,9 @@ class EmbeddedRedisConfig:
 @dataclass(frozen=True, slots=True)
 class BusConfig:
     stream_maxlen: int = setting(integer(1000), 100_000)
+    # Entries every consumer group has read and acked are trimmed once this old (bus/trim.py):
+    # the streams are a queue, and full ones would crowd blocks out of a shared Redis.
+    stream_keep_s: float = setting(number(ge=0), 10.0)
     claim_idle_ms: int = setting(integer(1), 30_000)
     max_deliveries: int = setting(integer(1), 5)
     read_count: int = setting(integer(1, 10_000), 256)

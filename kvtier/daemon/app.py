@@ -288,9 +288,9 @@ class Daemon:
             chores.every("prefix-index-refresh", self.cfg.prefix_index.refresh_s, self.prefix_index.refresh)
         if self.ingest is not None:
             chores.every("engine-index-refresh", self.cfg.prefix_index.refresh_s, self.ingest.request_refresh)
-        names = [self.names.client, self.names.facts, *(self.names.tier(t) for t in Tier)]
-        chores.start("stream-sampler", sample_streams(bus, names, GROUP, self.stream_info,
-                                                      self.cfg.metrics.stream_sample_s, self.log))
+        sampler = sample_streams(bus, self.names.grouped(), GROUP, self.stream_info, self.cfg.metrics.stream_sample_s,
+                                 self.cfg.bus.stream_keep_s, self.log)
+        chores.start("stream-sampler", sampler)
         if self.cfg.redis.resync_keys:
             chores.start("redis-resync", resync_loop(self.pools, self.publisher, self.names.tier(Tier.REDIS),
                                                      self.cfg.redis.resync_interval_s, self.cfg.redis.resync_keys,

@@ -125,12 +125,16 @@ class DaemonCollector(Collector):
                                     labels=["stream"])
         lag = GaugeMetricFamily("kvtier_stream_lag", "Entries in the stream not yet delivered to its group",
                                 labels=["stream"])
+        trimmed = CounterMetricFamily("kvtier_stream_trimmed", "Entries every group had read, trimmed by age "
+                                      "([bus] stream_keep_s)", labels=["stream"])
         for stream, info in sorted(s.get("streams", {}).items()):
             pending.add_metric([stream], info.get("pending", 0))
             if info.get("lag") is not None:
                 lag.add_metric([stream], info["lag"])
+            trimmed.add_metric([stream], info.get("trimmed", 0))
         yield pending
         yield lag
+        yield trimmed
         loop = s.get("loop", {})
         yield GaugeMetricFamily("kvtier_event_loop_lag_seconds", "How late a 100 ms sleep woke up, last sample",
                                 value=loop.get("lag_ms", 0.0) / 1000)

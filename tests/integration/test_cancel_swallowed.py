@@ -29,7 +29,7 @@ async def test_the_stream_sampler_ends_at_every_cancel_point(redis_url: str) -> 
             for _ in range(60):
                 chores = Chores(log, stop_s=0.5)
                 await chores.open()
-                chores.start("stream-sampler", sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, log))
+                chores.start("stream-sampler", sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, 0.0, log))
                 for _ in range(rng.randrange(1, 200)):  # a random point in the pipeline's round trip
                     await asyncio.sleep(0)
                 await chores.aclose()

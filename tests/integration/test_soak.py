@@ -30,7 +30,12 @@ PREFIXES = 24  # ~380 blocks of shared prompts alone, against 16 + 48 local slot
 @pytest.mark.timeout(SOAK_S + 120)
 @pytest.mark.slow
 async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory, redis_server, tmp_path):
-    d = daemon_factory(gpu=16, cpu=48)
+    # Acked entries trimmed after 5 s; an audit group that reads the facts only at the end keeps
+    # them all (nothing a group has not been handed is trimmed), for check 3 below.
+    d = daemon_factory(gpu=16, cpu=48, bus_extra="stream_keep_s = 5")
+    r = redis_server.client()
+    facts_stream = f"kvtier:{{{d.node}}}:facts"
+    r.xgroup_create(facts_stream, "soak-audit", id="0", mkstream=True)
     prompts = shared_prompts(PREFIXES)
     assert sum(len(p) // 16 for p in prompts) >= 3 * (16 + 48)
     workers = start_demo_workers(d.runtime_dir, tmp_path, CLIENTS, PREFIXES)
@@ -47,11 +52,10 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     # 1. Zero wrong bytes, every read checked against the block's known content.
     assert total["wrong_blocks"] == 0
 
-    r = redis_server.client()
-    facts_stream = f"kvtier:{{{d.node}}}:facts"
     # Let the daemon finish what the clients sent (their access reports are flushed on exit).
     wait_until(lambda: all(g["pending"] == 0 and g["lag"] == 0 for s in (f"kvtier:{{{d.node}}}:client", facts_stream)
-                           for g in r.xinfo_groups(s)), timeout=20, message="daemon drained its streams")
+                           for g in r.xinfo_groups(s) if g["name"] == b"kvtier"),
+               timeout=20, message="daemon drained its streams")
     wait_until(lambda: d.pool_stats().get("hits", -1) == total["local_hits"], timeout=10,
                message="daemon hit count caught up")
     stats = d.pool_stats()
@@ -67,11 +71,17 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     caches = stats["caches"]
     assert all(c["entries"] <= c["bound"] for c in caches.values()), caches
     assert caches["remote_reads"]["bound"] == 16 + 48 and caches["leases"]["bound"] == (16 + 48) // 2, caches
+    # The streams stay a queue: what every group read is trimmed (stream_keep_s), not kept to MAXLEN.
+    client_stream = r.xinfo_stream(f"kvtier:{{{d.node}}}:client")
+    assert client_stream["length"] < client_stream["entries-added"] // 2, client_stream
+    assert d.stats()["streams"][f"kvtier:{{{d.node}}}:client"]["trimmed"] > 0
 
     async with await Client.connect(d.runtime_dir) as client:
         # 3. Every block that left a local tier is still local or in Redis (no silent loss).
         left = set()
-        for ev in (e.event for _id, fields in r.xrange(facts_stream) for e in decode_entry(fields[b"e"])):
+        [(_, facts)] = r.xreadgroup("soak-audit", "audit", {facts_stream: ">"})
+        assert facts[0][0] == r.xinfo_stream(facts_stream)["first-entry"][0], "a fact trimmed before the audit read it"
+        for ev in (e.event for _id, fields in facts for e in decode_entry(fields[b"e"])):
             if isinstance(ev, Removed) and ev.tier in (Tier.GPU, Tier.CPU) and ev.cause == Cause.EVICT:
                 left.add(ev.key)
         assert left, "the soak must have pushed blocks out of the local tiers"

@@ -27,7 +27,7 @@ def write_config(directory: Path, *, node: str, redis_url: str, gpu: int = 8, cp
                  pool: str = "t", persist_arena: bool = False, extra: str = "",
                  pools_toml: str | None = None, bus_url: str | None = None, redis_extra: str = "",
                  runtime_dir: Path | None = None, log_level: str = "info", disk_dir: Path | None = None,
-                 disk_bytes: int = 0, disk_extra: str = "") -> Path:
+                 disk_bytes: int = 0, disk_extra: str = "", bus_extra: str = "") -> Path:
     """A daemon config for tests: small blocks (8 KiB), fast bus timings. `pools_toml` replaces
     the default test pool with the caller's [pools.*] tables (engine tests size their own).
     `disk_dir` and `disk_bytes` give the default test pool a disk tier there, with no reserve."""
@@ -51,6 +51,7 @@ socket_timeout_s = 2.0
 block_ms = 100
 claim_idle_ms = 1000
 max_deliveries = 3
+{bus_extra}
 
 [daemon]
 shutdown_grace_s = 5.0

@@ -8,7 +8,7 @@ import uuid
 
 import structlog
 
-from kvtier.bus.consumer import SUMMARY_S, _entry_id, _Summary
+from kvtier.bus.consumer import SUMMARY_S, _Summary
 from kvtier.logs import LogThrottle
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.staging import CLIENT_COUNTS, CLIENT_COUNTS_OFF, MAX_COUNT_STEP, StagingWriter
@@ -63,10 +63,6 @@ def test_the_bus_summary_adds_up_batches_and_resets_once_a_minute() -> None:
     line = s.add(1, 0, False, 1.0, SUMMARY_S + 1)
     assert line == {"seconds": SUMMARY_S + 1, "batches": 3, "handled": 16, "dead": 1, "reclaimed": 1, "max_ms": 7.5}
     assert s.add(1, 0, False, 1.0, SUMMARY_S + 2) is None and s.batches == 1
-
-
-def test_stream_ids_order_as_redis_orders_them() -> None:
-    assert _entry_id(b"1700000000000-2") < _entry_id("1700000000000-10") < _entry_id(b"1700000000001-0")
 
 
 def test_a_clients_drops_are_collected_once_and_its_word_is_bounded() -> None:
