@@ -89,6 +89,16 @@ def _pins(p: dict | None) -> list[str]:
             f"over budget, {p['refused_node']} over the node's share  expired {p['expired']}{lost}"]
 
 
+def _tenants(t: dict | None) -> list[str]:
+    """Fair share: each tenant's bytes on the node, hits and evictions (shown once a tenant other
+    than the default has blocks)."""
+    if not t or set(t) <= {""}:
+        return []
+    return ["  tenants " + "  ".join(
+        f"{who or '(default)'} {human_bytes(sum(v for k, v in c.items() if k.endswith('_bytes')))} "
+        f"hits {c.get('hits', 0)} evicted {c.get('evicted', 0)}" for who, c in t.items())]
+
+
 def _models(m: dict | None) -> list[str]:
     """Which models' KV the pool holds: its manifest's namespaces (core/manifest.py)."""
     if not m or not m.get("namespaces"):
@@ -128,6 +138,7 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
         if pool.get("disk"):
             lines.append(_disk(pool["disk"]))
         lines.extend(_pins(pool.get("pins")))
+        lines.extend(_tenants(pool.get("tenants")))
         lines.extend(_models(pool.get("models")))
         if prev and dt > 0 and prev.get("epoch") == stats.get("epoch"):
             lines.append(_rates(pool, prev.get("pools", {}).get(name), dt))

@@ -33,6 +33,11 @@ I64_MAX = (1 << 63) - 1
 
 MAX_PACKED = 4096  # events in one packed entry
 
+# Fields added to an event type after it shipped, with the value they take when absent: left
+# out on the wire at that value and accepted missing, so clients and daemons one release apart
+# still understand each other's events of that type (any other field set is exact).
+LATE_FIELDS: dict[str, dict[str, object]] = {"put": {"tenant": ""}}
+
 
 def encode(env: Envelope) -> bytes:
     packed: bytes = msgpack.packb(_wire(env), use_bin_type=True)
@@ -48,7 +53,9 @@ def encode_packed(envs: Sequence[Envelope]) -> bytes:
 
 
 def _wire(env: Envelope) -> dict[str, object]:
-    body = {f.name: _to_wire(getattr(env.event, f.name)) for f in dataclasses.fields(env.event)}
+    late = LATE_FIELDS.get(env.event.TYPE, {})
+    values = ((f.name, getattr(env.event, f.name)) for f in dataclasses.fields(env.event))
+    body = {name: _to_wire(v) for name, v in values if name not in late or v != late[name]}
     return {"v": SCHEMA_VERSION, "t": env.event.TYPE, "p": env.producer, "e": env.epoch, "s": env.seq, "b": body}
 
 
@@ -124,6 +131,8 @@ def _envelope(obj: object) -> Envelope:
         raise MalformedEvent("body must be a map")
     fields = _SCHEMAS[cls.TYPE]
     names = _FIELD_NAMES[cls.TYPE]
+    if body.keys() != names and (late := LATE_FIELDS.get(cls.TYPE)) is not None:
+        body = {**late, **body}  # a late field left out: its value when absent
     if body.keys() != names:
         missing = sorted(names - set(body))
         extra = sorted(map(str, set(body) - names))

@@ -116,17 +116,18 @@ class SyncClient:
                                                 counts=counts), timeout)
 
     def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
-            token_ids: Sequence[int] | None = None, wait_s: float = 0.0, timeout: float | None = None) -> PutResult:
+            token_ids: Sequence[int] | None = None, wait_s: float = 0.0, tenant: str = "",
+            timeout: float | None = None) -> PutResult:
         """Client.put; `timeout` must exceed `wait_s`."""
-        return self._call(self._client.put(pool, keys, kv, parent=parent, token_ids=token_ids, wait_s=wait_s),
-                          timeout)
+        return self._call(self._client.put(pool, keys, kv, parent=parent, token_ids=token_ids, wait_s=wait_s,
+                                           tenant=tenant), timeout)
 
     def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object], *,
                  parent: bytes | None = None, token_ids: Sequence[int] | None = None, wait_s: float = 0.0,
-                 timeout: float | None = None) -> PutResult:
+                 tenant: str = "", timeout: float | None = None) -> PutResult:
         """Client.put_with; `timeout` must exceed `wait_s`."""
         return self._call(self._client.put_with(pool, keys, fill, parent=parent, token_ids=token_ids,
-                                                wait_s=wait_s), timeout)
+                                                wait_s=wait_s, tenant=tenant), timeout)
 
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:

@@ -53,12 +53,14 @@ class ClientWrites:
                         threads: int | None = None) -> list[Any]: ...
 
     async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
-                  token_ids: Sequence[int] | None = None, wait_s: float = 0.0) -> PutResult:
+                  token_ids: Sequence[int] | None = None, wait_s: float = 0.0, tenant: str = "") -> PutResult:
         """Hand new blocks to the daemon. `keys` is a chain: keys[0]'s parent is `parent` (None
         for the chain's first block). What cannot be staged at once is dropped and counted
         (`PutResult.reason` says why), unless `wait_s` > 0: then the put waits up to that long
         for staging slots. `token_ids` (block_tokens per block, in block order) are only passed
-        on to routers, in the daemon's KV events (docs/integrations/events.md)."""
+        on to routers, in the daemon's KV events (docs/integrations/events.md). `tenant` names
+        whose blocks these are, for the node's fair share (docs/operations.md, "Tenants and fair
+        share"); "" is the default tenant."""
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
 
@@ -66,11 +68,11 @@ class ClientWrites:
             rows = host_rows(kv[off:], n)  # only the staged blocks leave a GPU
             return lambda i, b: w.fill_slot(b, rows[i])
 
-        return await self._put(p, keys, parent, writer, token_ids, wait_s)
+        return await self._put(p, keys, parent, writer, token_ids, wait_s, tenant)
 
     async def put_with(self, pool: str, keys: Sequence[bytes], fill: Callable[[int, npt.NDArray[np.uint8]], object],
                        *, parent: bytes | None = None, token_ids: Sequence[int] | None = None,
-                       wait_s: float = 0.0) -> PutResult:
+                       wait_s: float = 0.0, tenant: str = "") -> PutResult:
         """`put`, but `fill(i, dst)` writes block i's bytes straight into its staging slot (`dst`,
         a uint8 array of block_bytes), so a block gathered from scattered pages is copied once.
         `fill` may return the xxh3-64 of what it wrote (an int, hashed as it wrote: one pass over
@@ -82,15 +84,16 @@ class ClientWrites:
         def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:
             return lambda i, b: w.fill_slot_with(b, lambda dst: fill(off + i, dst))
 
-        return await self._put(p, keys, parent, writer, token_ids, wait_s)
+        return await self._put(p, keys, parent, writer, token_ids, wait_s, tenant)
 
     async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None,
                    writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
-                   token_ids: Sequence[int] | None, wait_s: float) -> PutResult:
+                   token_ids: Sequence[int] | None, wait_s: float, tenant: str) -> PutResult:
         """Stage what fits, in as many rounds as `wait_s` allows; each round is filled by
         writer(staging, n_staged, offset)(i, slot) in copy threads, then published."""
         bkeys = [check_key(k) for k in keys]
         bparent = None if parent is None else check_key(parent)
+        _check_tenant(tenant)
         tokens = None
         if token_ids is not None:
             tokens = encode_tokens(token_ids).tobytes()  # BadRequest for ids outside [0, 2**32)
@@ -107,7 +110,8 @@ class ClientWrites:
             if not pid_alive(self.desc.pid):
                 reason = DropReason.DAEMON_GONE  # nobody would drain the slots
                 break
-            n = await self._stage(p, w, bkeys[done:], bkeys[done - 1] if done else bparent, writer, done, tokens)
+            n = await self._stage(p, w, bkeys[done:], bkeys[done - 1] if done else bparent, writer, done, tokens,
+                                  tenant)
             if n < 0:
                 reason = DropReason.BUS_UNREACHABLE  # the event could not be published
                 break
@@ -127,7 +131,7 @@ class ClientWrites:
 
     async def _stage(self, p: ClientPool, w: StagingWriter, bkeys: list[BlockKey], parent: BlockKey | None,
                      writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
-                     off: int, tokens: bytes | None) -> int:
+                     off: int, tokens: bytes | None, tenant: str) -> int:
         """One round, for the put's blocks from `off` on: take the free slots for the leading
         keys, fill them, publish one `put`. How many were staged (0: no free slot), or -1 when
         publishing failed."""
@@ -147,7 +151,8 @@ class ClientWrites:
         part = None if tokens is None else TokenIds(tokens[off * bt:(off + len(staged)) * bt])
         try:
             epoch = w.grant_epoch if staged[0].granted else 0
-            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part, epoch))
+            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part, epoch,
+                                                                       tenant))
         except REDIS_ERRORS as e:
             w.unstage(staged)
             self.stats.event_errors += 1
@@ -186,8 +191,7 @@ class ClientWrites:
         self.pool(pool)
         if type(ttl_s) is not int or not 0 <= ttl_s <= MAX_PIN_TTL_S:
             raise BadRequest(f"ttl_s must be an int of seconds from 0 to {MAX_PIN_TTL_S}, got {ttl_s!r}")
-        if tenant and not (isinstance(tenant, str) and NAME_RE.fullmatch(tenant)):
-            raise BadRequest(f"tenant must be empty or a name matching {NAME_RE.pattern}, got {tenant!r}")
+        _check_tenant(tenant)
         bkeys = tuple(check_key(k) for k in keys)
         if len(bkeys) > MAX_ITEMS:
             raise BadRequest(f"a pin names at most {MAX_ITEMS} blocks, got {len(bkeys)}")
@@ -205,3 +209,8 @@ class ClientWrites:
                 return False
             await asyncio.sleep(0.005)
         return True
+
+
+def _check_tenant(tenant: str) -> None:
+    if tenant and not (isinstance(tenant, str) and NAME_RE.fullmatch(tenant)):
+        raise BadRequest(f"tenant must be empty or a name matching {NAME_RE.pattern}, got {tenant!r}")

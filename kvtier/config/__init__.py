@@ -32,6 +32,7 @@ from kvtier.config.schema import (
     PoolConfig,
     PrefixIndexConfig,
     RedisConfig,
+    TenantsConfig,
 )
 
 __all__ = [
@@ -39,6 +40,6 @@ __all__ = [
     "DiskConfig", "EmbeddedRedisConfig",
     "EventsConfig", "IngestConfig", "LogConfig", "MetricsConfig", "NodeConfig", "PinsConfig", "PolicyConfig",
     "PoolConfig",
-    "PrefixIndexConfig", "RedisConfig",
+    "PrefixIndexConfig", "RedisConfig", "TenantsConfig",
     "config_to_dict", "format_config", "load_config", "redact_url",
 ]

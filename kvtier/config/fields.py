@@ -171,6 +171,25 @@ def size() -> Check:
     return check
 
 
+def table(value: Check, key_pattern: str = r"[A-Za-z0-9_.:/-]{0,128}") -> Check:
+    """A TOML table of name -> value (each checked by `value`), held as sorted (name, value) pairs:
+    frozen, like every config value."""
+    def check(raw: Any) -> tuple[tuple[str, Any], ...]:
+        if not isinstance(raw, dict):
+            raise Invalid(f"expected a table of name = value, got {shown(raw)}")
+        out = []
+        for k, v in sorted(raw.items()):
+            if not re.fullmatch(key_pattern, k):
+                raise Invalid(f"bad name {shown(k)} (must match {key_pattern})")
+            try:
+                out.append((k, value(v)))
+            except Invalid as e:
+                raise Invalid(f"{k}: {e}") from None
+        return tuple(out)
+
+    return check
+
+
 def absolute_path() -> Check:
     def check(value: Any) -> Path:
         if not isinstance(value, str) or not value.startswith("/"):

@@ -20,7 +20,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def _plain(section: Any) -> dict[str, Any]:
-    return {key: str(v) if isinstance(v := getattr(section, key), Path) else v
+    return {key: str(v) if isinstance(v := getattr(section, key), Path) else dict(v) if isinstance(v, tuple) else v
             for key in checked_fields(type(section))}
 
 
@@ -45,6 +45,8 @@ def _toml_key(key: str) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):  # a table setting (config/fields.py `table`), inline
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -18,6 +18,7 @@ from kvtier.config.fields import (
     setting,
     size,
     string,
+    table,
 )
 from kvtier.errors import KvtierError
 from kvtier.failpoints import IO_SPEC
@@ -244,6 +245,20 @@ class PinsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """Fair share of each node tier between tenants (kvtier/core/tenants.py; docs/operations.md,
+    "Tenants and fair share"). A tenant is the name a put carries ("" when none)."""
+
+    # A tenant's share of a node tier is its weight over the summed weights of the tenants there.
+    weights: tuple[tuple[str, float], ...] = setting(table(number(gt=0)), ())
+    default_weight: float = setting(number(gt=0), 1.0)
+    # A hard cap, in bytes of each node tier (gpu, cpu and disk alike).
+    cap_bytes: tuple[tuple[str, int], ...] = setting(table(size()), ())
+    # A name clients send -> the tenant it counts as ("lora:sql-adapter" = "acme").
+    aliases: tuple[tuple[str, str], ...] = setting(table(string(r"[A-Za-z0-9_.:/-]{0,128}", "a tenant name")), ())
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """One model layout. `name` comes from the `[pools.<name>]` table key."""
 
@@ -293,6 +308,7 @@ class Config:
     arena: ArenaConfig = ArenaConfig()
     disk: DiskConfig = DiskConfig()
     pins: PinsConfig = PinsConfig()
+    tenants: TenantsConfig = TenantsConfig()
 
 
 SECTIONS: dict[str, type] = {
@@ -310,6 +326,7 @@ SECTIONS: dict[str, type] = {
     "arena": ArenaConfig,
     "disk": DiskConfig,
     "pins": PinsConfig,
+    "tenants": TenantsConfig,
 }
 
 Origins = dict[tuple[str, ...], str]  # key path -> the env var that set it

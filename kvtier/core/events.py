@@ -112,6 +112,7 @@ class Put:
     # The daemon's grant epoch the granted blocks were written under (0: none granted); a block
     # granted by an earlier daemon is refused, never adopted.
     epoch: int = 0
+    tenant: str = ""  # whose blocks these are, for fair share (core/tenants.py); "" the default tenant
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,9 @@ Rules (config `[policy]`; shedding and promotion in their modules):
   if it is still leaving, childless and unpinned (else it stays, and the copy below is a spare).
 - A session-pinned block (core/pins.py) stays on the node until its pin ends; its Redis copy
   lives at least as long (`on_pin`'s Retain).
+- Tenants share each node tier by weight (core/tenants.py): while one is over its share, the
+  tier sheds and makes room only from tenants over theirs; a capped tenant's puts past its cap
+  go on down.
 - Commands in flight are remembered until their outcome fact arrives or `transfer_timeout_s`
   passes, whichever is first: a command that never reports (dead-lettered, trimmed, lost with a
   Redis restart) cannot shrink a tier's room or pin a block for ever.
@@ -60,6 +63,7 @@ from kvtier.core.promotion import Promotion
 from kvtier.core.residency import LOCAL, NODE
 from kvtier.core.shedding import DROP_REASONS
 from kvtier.core.spill import SpillCopies
+from kvtier.core.tenants import TenantRules
 from kvtier.core.write_through import copy_for_fact
 from kvtier.keys import BlockKey
 
@@ -71,8 +75,10 @@ class Placement(Promotion):
     flight (`Room`)."""
 
     def __init__(self, pool: str, tiers: dict[Tier, TierIndex], knobs: PolicyKnobs, *,
-                 pin_rules: PinRules | None = None, block_bytes: int = 1) -> None:
+                 pin_rules: PinRules | None = None, block_bytes: int = 1, tenant_rules: TenantRules | None = None
+                 ) -> None:
         super().__init__(pool, tiers, knobs)
+        self.tenants.rules = tenant_rules or TenantRules()
         self._spill = SpillCopies(pool)  # heads of spilled puts, copied to Redis once stored
         self._now = 0.0  # the time of the latest decision (every one passes it in)
         self.pins = Pins(pin_rules or PinRules(), block_bytes, self.node_slots)
@@ -88,6 +94,7 @@ class Placement(Promotion):
             "leases": (len(self._leases), self._lease_cap),
             "prefetch_waiting": (len(self._wanted), (self.tiers[Tier.CPU].capacity or 0) // 2),
             "pins": (len(self.pins), int(self.pins.rules.node_share * node)),
+            "tenant_owners": (len(self.tenants), 2 * node),  # blocks on the node, or on their way into it
         }
 
     # --- session pins --------------------------------------------------------------------------
@@ -108,15 +115,16 @@ class Placement(Promotion):
 
     # --- admission -----------------------------------------------------------------------------
 
-    def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None, granted: int = 0
-              ) -> list[Tier | None]:
+    def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None, granted: int = 0,
+              tenant: str = "") -> list[Tier | None]:
         """Where each new block from a client goes, head first: the highest local tier with room
         (counting blocks already on their way in), then, for a chain that does not fit, a slot
         the worker frees by dropping a colder chain's clean tail block, else straight to Redis
         rather than dropping it. The first `granted` blocks were written into cpu slots granted
         to the client (kvtier/tiers/grants.py): they go to the cpu tier, where their bytes are
         (promotion moves them up when they are hot). None for a block already here or already
-        on its way (a duplicate put)."""
+        on its way (a duplicate put). A tenant with a cap (core/tenants.py) gets no more slots
+        of a tier than its cap leaves: the rest of its chain goes on down."""
         self._expire(now)
         fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
         placed: dict[BlockKey, Tier] = {}  # the granted ones, in their cpu slots already
@@ -133,6 +141,14 @@ class Placement(Promotion):
             # holds too, which the worker drops when it finds the tier full (room_victim).
             for t in LOCAL:
                 slots += [t] * self._clean_spares(t, len(fresh) - len(slots))
+        allow = {t: self.tenants.allowance(t, tenant) for t in LOCAL}
+        if any(a is not None for a in allow.values()):
+            capped = []
+            for t in slots:
+                if (a := allow[t]) is None or a > 0:
+                    capped.append(t)
+                    allow[t] = None if a is None else a - 1
+            slots = capped
         place = {**dict(zip(fresh, slots)), **placed}
         out: list[Tier | None] = []
         for key in keys:  # a chain: each block's parent is the one before it (the first's: `parent`)
@@ -144,15 +160,18 @@ class Placement(Promotion):
                 tier = place.get(key, Tier.REDIS)
                 if tier in self._incoming:
                     self._incoming[tier].add(key, parent, now + self.knobs.transfer_timeout_s)
+                    if all(self.tiers[u].get(key) is None for u in NODE):  # not counted for anyone yet
+                        self.tenants.claim(key, tenant)
                 out.append(tier)
             parent = key
         return out
 
-    def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float, granted: int = 0
-               ) -> tuple[list[Tier | None], list[Command]]:
+    def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float, granted: int = 0,
+               tenant: str = "") -> tuple[list[Tier | None], list[Command]]:
         """`admit`, and the Redis copies a put that spills calls for (core/spill.py): the copies
-        of its local ancestors go now, those of its own local head once they are stored."""
-        tiers = self.admit(keys, now, parent, granted)
+        of its local ancestors go now, those of its own local head once they are stored.
+        `tenant` is the name the put carries (before the operator's aliases)."""
+        tiers = self.admit(keys, now, parent, granted, self.tenants.rules.name(tenant))
         if (self.knobs.redis_write is RedisWrite.WRITE_THROUGH or self.knobs.redis_admit_after_hits
                 or Tier.REDIS not in tiers):
             return tiers, []
@@ -166,6 +185,8 @@ class Placement(Promotion):
         cause = fact.cause  # a Removed of any cause but EVICT is that command's failure
         if fact.tier in self._incoming and cause in (Cause.STORE, Cause.PROMOTE, Cause.DEMOTE):
             self._incoming[fact.tier].pop(fact.key)
+            if isinstance(fact, Removed):
+                self.forget_tenant(fact.key)
         spill = None
         until = self._now + self.knobs.transfer_timeout_s  # facts carry no time: the latest decision's
         if fact.tier in LOCAL and cause == Cause.STORE:

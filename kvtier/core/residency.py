@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, State, TierIndex
+from kvtier.core.tenants import TenantUsage
 from kvtier.keys import BlockKey
 
 # The memory tiers: clients read them through shared memory; puts, prefetches and promotions on
@@ -29,6 +30,27 @@ class Residency:
     def __init__(self, tiers: dict[Tier, TierIndex]) -> None:
         tiers.setdefault(Tier.DISK, TierIndex(0))
         self.tiers = tiers
+        # Whose each node block is, and blocks per tenant per node tier (core/tenants.py): kept
+        # here, where every change to a node tier passes.
+        self.tenants = TenantUsage()
+        for t in NODE:
+            for e in self.tiers[t].ready():
+                self.tenants.added(t, e.key)
+
+    def _added(self, t: Tier, e: Entry | None) -> Entry | None:
+        if e is not None and t in NODE:
+            self.tenants.added(t, e.key)
+        return e
+
+    def _removed(self, t: Tier, key: BlockKey, evicted: bool) -> bool:
+        """Remove `key` from node tier `t`; whether no node tier holds it any more."""
+        if self.tiers[t].get(key) is not None:
+            self.tenants.removed(t, key, evicted)
+            self.tiers[t].remove(key)
+        gone = all(self.tiers[u].get(key) is None for u in NODE)
+        if gone:
+            self.tenants.forget(key)
+        return gone
 
     def where(self, key: BlockKey) -> Tier | None:
         """The highest tier known to hold `key` as a visible block."""
@@ -57,7 +79,7 @@ class Residency:
     def reserve(self, t: Tier, key: BlockKey, parent: BlockKey | None) -> Entry | None:
         """A PENDING slot in local tier `t` for a block being written (counted as used, not
         visible); None when the tier is full or already has `key`."""
-        return self.tiers[t].reserve(key, parent)
+        return self._added(t, self.tiers[t].reserve(key, parent))
 
     def commit(self, t: Tier, key: BlockKey) -> Entry | None:
         """The reserved slot holds its block: visible, the most recently used."""
@@ -66,7 +88,7 @@ class Residency:
     def restore(self, t: Tier, key: BlockKey, parent: BlockKey | None, slot: int) -> Entry | None:
         """Warm restart: a verified block found in slot `slot` of local tier `t` (READY); None
         if the slot or the key is taken already."""
-        return self.tiers[t].add(key, parent, slot)
+        return self._added(t, self.tiers[t].add(key, parent, slot))
 
     def bring_into_service(self, t: Tier, slots: Iterable[int]) -> int:
         """Slots of local tier `t` whose pages are now populated may be handed out."""
@@ -80,7 +102,7 @@ class Residency:
     def claim(self, t: Tier, slot: int, key: BlockKey, parent: BlockKey | None) -> Entry | None:
         """A client wrote `key` into the granted `slot`: its PENDING entry, as `reserve` makes;
         None when the slot is not granted or `key` is here already."""
-        return self.tiers[t].claim(slot, key, parent)
+        return self._added(t, self.tiers[t].claim(slot, key, parent))
 
     def ungrant(self, t: Tier, slot: int) -> bool:
         """A granted slot comes back unused (its client died, or its put was a duplicate)."""
@@ -88,14 +110,13 @@ class Residency:
 
     def unreserve(self, t: Tier, key: BlockKey) -> None:
         """The write into the reserved slot failed: free it."""
-        self.tiers[t].remove(key)
+        self._removed(t, key, evicted=False)
 
     def dropped(self, t: Tier, key: BlockKey) -> None:
         """A worker dropped `key` from node tier `t`. Once no tier on the node holds it, its Redis
         copy is forgotten too: the daemon needs to know about Redis only for blocks it might drop
         here, which keeps that record bounded by the node's capacity."""
-        self.tiers[t].remove(key)
-        if all(self.tiers[u].get(key) is None for u in NODE):
+        if self._removed(t, key, evicted=True):
             self.tiers[Tier.REDIS].remove(key)
 
     def retired(self, t: Tier) -> list[Entry]:
@@ -104,7 +125,9 @@ class Residency:
         returned; the Redis record of those no other node tier holds is forgotten, as `dropped`."""
         gone = self.tiers[t].retire()
         for e in gone:
+            self.tenants.removed(t, e.key, evicted=False)
             if all(self.tiers[u].get(e.key) is None for u in NODE):
+                self.tenants.forget(e.key)
                 self.tiers[Tier.REDIS].remove(e.key)
         return gone
 

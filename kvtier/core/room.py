@@ -51,9 +51,12 @@ class InFlight:
             else:
                 del self._kids[parent]
 
-    def expire(self, now: float) -> None:
-        for key in [k for k, until in self._until.items() if until <= now]:
+    def expire(self, now: float) -> list[BlockKey]:
+        """Give up what was due by `now`; the keys given up."""
+        gone = [k for k, until in self._until.items() if until <= now]
+        for key in gone:
             self.pop(key)
+        return gone
 
     def kids(self, parent: BlockKey) -> int:
         """How many blocks on their way in hang off `parent`."""
@@ -91,8 +94,15 @@ class Room(Residency):
         for key in [k for k, (_, until) in self._wanted.items() if until <= now]:
             del self._wanted[key]
         for pending in self._incoming.values():
-            pending.expire(now)
+            for key in pending.expire(now):
+                self.forget_tenant(key)
         self.pins.expire(now)
+
+    def forget_tenant(self, key: BlockKey) -> None:
+        """A block that never arrived: its tenant is forgotten, unless it is on the node or on
+        its way there after all."""
+        if all(self.tiers[u].get(key) is None and key not in self._incoming[u] for u in NODE):
+            self.tenants.forget(key)
 
     def incoming(self, t: Tier) -> int:
         """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
@@ -114,8 +124,9 @@ class Room(Residency):
 
     def _clean_victims(self, t: Tier) -> Iterator[BlockKey]:
         idx = self.tiers[t]
+        fair = self.tenants.evictable(t, idx.capacity or 0)
         for e in idx.ready():
-            if not idx.children(e.key) and self._clean(t, e):
+            if not idx.children(e.key) and self._clean(t, e) and (fair is None or self.tenants.owner(e.key) in fair):
                 yield e.key
 
     def held_below(self, t: Tier, key: BlockKey) -> Tier | None:
@@ -141,7 +152,9 @@ class Room(Residency):
         the coldest SPARE_WINDOW blocks are looked at: this runs for every put that does not fit."""
         idx = self.tiers[t]
         need = max(0, self.incoming(t) - idx.free) + want
-        clean = {e.key: e for e in itertools.islice(idx.ready(), SPARE_WINDOW) if self._clean(t, e)}
+        fair = self.tenants.evictable(t, idx.capacity or 0)  # while a tenant is over its share: only theirs
+        clean = {e.key: e for e in itertools.islice(idx.ready(), SPARE_WINDOW)
+                 if self._clean(t, e) and (fair is None or self.tenants.owner(e.key) in fair)}
         kids = {key: idx.children(key) for key in clean}  # children not yet counted as dropped
         below = {key: self.held_below(t, key) for key in clean}
         leaves = [key for key, n in kids.items() if n == 0]

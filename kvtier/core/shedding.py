@@ -79,7 +79,8 @@ class Shedding(Room):
         lower = self.below(t)
         give_up = now + self.knobs.transfer_timeout_s
         out: list[Command] = []
-        for key in list(idx.candidates()):
+        # While a tenant is over its share of `t`, only theirs (core/tenants.py).
+        for key in list(self.tenants.shed_order(t, idx.candidates(), idx.capacity)):
             if excess <= 0:
                 break
             if key in self._leases or self._incoming[t].kids(key):

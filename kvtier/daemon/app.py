@@ -126,7 +126,7 @@ class Daemon:
             stack.callback(staging.close)
             for p in cfg.pools:  # one at a time, so a failure still closes the ones opened
                 rt = self.pools[p.name] = open_pool(p, cfg.node.id, cfg.policy, blocks, cfg.redis, gid, self.log,
-                                                    cfg.arena, cfg.disk, cfg.pins)
+                                                    cfg.arena, cfg.disk, cfg.pins, cfg.tenants)
                 stack.callback(close_pool, rt, cfg.daemon.persist_arena)
             if cfg.events.enabled:  # before the consumers: no fact may go unannounced
                 kv = KvEventPublisher(cfg.events, self.log)

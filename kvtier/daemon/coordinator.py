@@ -80,6 +80,7 @@ class Coordinator:
                 t = rt.placement.where(key)
                 if t is not None and t != Tier.REDIS:
                     rt.counters.tiers[t.label].hits += 1
+                    rt.placement.tenants.hit(key)
             rt.counters.hits += len(ev.keys)
             rt.counters.misses += ev.missed
             cmds = rt.placement.on_access(ev.keys, time.monotonic())
@@ -152,7 +153,8 @@ class Coordinator:
             blocks, granted = blocks[granted:], 0
         if not blocks:
             return []
-        tiers, copies = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted)
+        tiers, copies = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted,
+                                            ev.tenant)
         runs: dict[Tier, list[StagedBlock]] = {}  # one store_batch per tier: one command, one fact
         for b, tier in zip(blocks, tiers):
             if tier is None and b.granted:  # already cached here: the granted slot is freed

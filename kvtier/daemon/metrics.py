@@ -24,6 +24,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_disk_up, kvtier_disk_lost_blocks, kvtier_disk_adopted_blocks, kvtier_disk_scanned_slots,
   kvtier_disk_admissions_total (the disk tier: kvtier/tiers/disk.py; its blocks are in kvtier_tier_* tier="disk")
   kvtier_pinned_blocks{pool,tenant}, kvtier_pinned_bytes, kvtier_pins_total{pool,outcome} (session pins)
+  kvtier_tenant_bytes{pool,tier,tenant}, kvtier_tenant_hits_total, kvtier_tenant_evictions_total (fair share)
+  kvtier_stream_trimmed_total{stream}
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class DaemonCollector(Collector):
         yield from _arena_gauges(s)
         yield from _disk_metrics(s)
         yield from _pin_metrics(s)
+        yield from _tenant_metrics(s)
         yield from tier_c.values()
         yield hist
         yield from pool_c.values()
@@ -211,6 +214,24 @@ def _pin_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetricFam
         for outcome in PIN_OUTCOMES:
             outcomes.add_metric([pool, outcome], pins[outcome])
     return [blocks, nbytes, outcomes]
+
+
+def _tenant_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    """Fair share (kvtier/core/tenants.py), with the tenant label bounded as the pins' is."""
+    nbytes = GaugeMetricFamily("kvtier_tenant_bytes", "Bytes a tenant's blocks take in a node tier",
+                               labels=["pool", "tier", "tenant"])
+    hits = CounterMetricFamily("kvtier_tenant_hits", "Blocks of a tenant read from a local tier",
+                               labels=["pool", "tenant"])
+    evicted = CounterMetricFamily("kvtier_tenant_evictions", "Blocks of a tenant dropped from a node tier",
+                                  labels=["pool", "tenant"])
+    for pool, p in sorted(s.get("pools", {}).items()):
+        for tenant, c in sorted((p.get("tenants") or {}).items()):
+            for tier in ("gpu", "cpu", "disk"):
+                if f"{tier}_bytes" in c:
+                    nbytes.add_metric([pool, tier, tenant], c[f"{tier}_bytes"])
+            hits.add_metric([pool, tenant], c.get("hits", 0))
+            evicted.add_metric([pool, tenant], c.get("evicted", 0))
+    return [nbytes, hits, evicted]
 
 
 class MetricsServer:

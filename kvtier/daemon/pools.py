@@ -9,12 +9,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from kvtier.config import ArenaConfig, DiskConfig, PinsConfig, PolicyConfig, PoolConfig, RedisConfig
+from kvtier.config import ArenaConfig, DiskConfig, PinsConfig, PolicyConfig, PoolConfig, RedisConfig, TenantsConfig
 from kvtier.core.events import Tier
 from kvtier.core.index import TierIndex
 from kvtier.core.knobs import PolicyKnobs, RedisWrite
 from kvtier.core.pins import PinRules
 from kvtier.core.policy import Placement
+from kvtier.core.tenants import TenantRules
 from kvtier.daemon.arena import open_cpu_arena
 from kvtier.disk.blockfile import DiskBlockFile
 from kvtier.errors import DiskFault, KvtierError, SegmentError
@@ -67,7 +68,7 @@ def _fresh(name: str, size: int, gid: int | None) -> ShmSegment:
 
 def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
               gid: int | None, log, arena: ArenaConfig | None = None, disk: DiskConfig | None = None,
-              pins: PinsConfig | None = None) -> PoolRuntime:
+              pins: PinsConfig | None = None, tenants: TenantsConfig | None = None) -> PoolRuntime:
     """Open the pool's tiers. The cpu arena is in service for its first chunk only: the rest
     comes as kvtier/daemon/population.py populates it (`rt.arena`); an arena within one chunk
     is fully in service on return. A disk tier whose file was adopted has no slot in service
@@ -76,7 +77,7 @@ def open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cli
     files: list[DiskBlockFile] = []  # closed (never deleted) likewise
     try:
         return _open_pool(cfg, node, policy, redis_blocks_client, redis, gid, log, created, arena or ArenaConfig(),
-                          disk or DiskConfig(), files, pins or PinsConfig())
+                          disk or DiskConfig(), files, pins or PinsConfig(), tenants or TenantsConfig())
     except BaseException:
         for seg in created:
             seg.close()
@@ -123,7 +124,7 @@ def open_disk_file(cfg: PoolConfig, node: str, layout: BlockLayout, disk: DiskCo
 
 def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_client, redis: RedisConfig,
                gid: int | None, log, created: list[ShmSegment], arena_cfg: ArenaConfig, disk_cfg: DiskConfig,
-               files: list[DiskBlockFile], pins: PinsConfig) -> PoolRuntime:
+               files: list[DiskBlockFile], pins: PinsConfig, tenants: TenantsConfig) -> PoolRuntime:
     layout = BlockLayout(cfg.model, cfg.layers, cfg.kv_heads, cfg.head_dim, cfg.block_tokens, cfg.dtype)
     log = log.bind(pool=cfg.name)
     bb = layout.block_bytes
@@ -177,7 +178,9 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
                  block_bytes=bb)
 
     placement = Placement(cfg.name, indices, policy_knobs(policy),  # from here on the one owner of the indices
-                          pin_rules=PinRules(pins.budget_bytes, {}, pins.max_ttl_s, pins.node_share), block_bytes=bb)
+                          pin_rules=PinRules(pins.budget_bytes, {}, pins.max_ttl_s, pins.node_share), block_bytes=bb,
+                          tenant_rules=TenantRules(dict(tenants.weights), tenants.default_weight,
+                                                   {k: v // bb for k, v in tenants.cap_bytes}, dict(tenants.aliases)))
     table = arena.table
     cpu_tier = LocalTier(Tier.CPU, table, indices[Tier.CPU], directory)
     fill = ArenaFill(cpu_tier, arena.filler, arena.backing, arena.warm,

@@ -52,6 +52,7 @@ def pool_snapshot(rt: PoolRuntime) -> dict[str, Any]:
         "tiers": tiers,
         "caches": {name: {"entries": n, "bound": most} for name, (n, most) in rt.placement.caches().items()},
         "pins": pins_snapshot(rt.placement.pins, rt.counters.pins_retained, rt.counters.pin_retain_errors),
+        "tenants": tenants_snapshot(rt.placement.tenants.counters(rt.layout.block_bytes)),
         "arena": rt.arena.stats() if rt.arena is not None else None,
         "disk": _disk(rt),
     }
@@ -73,6 +74,20 @@ def pins_snapshot(pins: Pins, retained: int, retain_errors: int) -> dict[str, An
         tenants["other"] = tenants.get("other", 0) + rest
     return {"blocks": len(pins), "bytes": len(pins) * pins.block_bytes, "tenants": tenants,
             **asdict(pins.counts), "retained": retained, "retain_errors": retain_errors}
+
+
+def tenants_snapshot(counters: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Fair share (core/tenants.py): per tenant, bytes in each node tier, hits and evictions;
+    bounded like the pins: the TOP_TENANTS holding the most bytes by name, the rest summed as
+    "other" ("" is the default tenant)."""
+    ranked = sorted(counters.items(), key=lambda kv: (-sum(v for k, v in kv[1].items() if k.endswith("_bytes")),
+                                                      kv[0]))
+    out = {who: dict(c) for who, c in ranked[:TOP_TENANTS]}
+    for _, c in ranked[TOP_TENANTS:]:
+        other = out.setdefault("other", {})
+        for k, v in c.items():
+            other[k] = other.get(k, 0) + v
+    return out
 
 
 def _disk(rt: PoolRuntime) -> dict[str, Any] | None:

@@ -339,11 +339,11 @@ class EngineLink:
 
     def put_with(self, client: SyncClient, keys: list[bytes], fill: Callable[[int, Any], object], *,
                  parent: bytes | None, wait_s: float, token_ids: list[int] | None = None,
-                 pool: str | None = None) -> int:
+                 pool: str | None = None, tenant: str = "") -> int:
         """Hand blocks to the daemon (the link's pool, or `pool`: not counted in the manifest),
         waiting up to `wait_s` for room; how many leading blocks were taken (staged on return)."""
         name = pool or self.spec.name
-        res = client.put_with(name, keys, fill, parent=parent, token_ids=token_ids, wait_s=wait_s,
+        res = client.put_with(name, keys, fill, parent=parent, token_ids=token_ids, wait_s=wait_s, tenant=tenant,
                               timeout=wait_s + self.call_timeout_s)
         if res.staged and name == self.spec.name:
             self.stored(res.staged, res.staged * client.pool(name).block_bytes)

@@ -273,6 +273,9 @@ class PolicyMachine(RuleBasedStateMachine):
             if choice is None:
                 return False
             victim, verdict = choice
+            over = self.p.tenants.excess(t, self.idx[t].capacity or 0)
+            assert not over or self.p.tenants.owner(victim) in over, \
+                f"{victim!r} taken to make room in {t.label} from a tenant within its share, while {over} are over"
             if verdict is Verdict.ASK_REDIS:
                 verdict = after_redis_check(self.redis_has(victim), Reason.MAKE_ROOM)
             if verdict is Verdict.DROP:
@@ -307,8 +310,10 @@ class PolicyMachine(RuleBasedStateMachine):
         """As Coordinator.flush: what pressure sheds joins the batch's commands, decided before
         any of them has run, and all are published (here: run) together. With a `reader`, a
         reader pins one of the blocks chosen to leave after the choice, before its worker acts."""
+        over = {t: self.p.tenants.excess(t, self.idx[t].capacity or 0) for t in NODE}  # before the decision
         shed = self.p.pressure(self.now)
         self.expired()
+        taken: Counter[tuple[Tier, str]] = Counter()
         for c in shed:  # the decisions themselves: evictable blocks, and safe ways out
             if isinstance(c, Promote):  # a prefetched block that waited for a cpu slot
                 assert c.src in (REDIS, DISK) and c.dst == CPU and self.p.tiers[CPU].get(c.key) is None, c
@@ -328,6 +333,12 @@ class PolicyMachine(RuleBasedStateMachine):
             if isinstance(c, Evict):
                 assert c.reason in DROP_REASONS or any(c.key in self.idx[u] for u in Tier if u > t), c
             assert on_node or c.key not in self.p.pins, f"{c}: sends a session-pinned block off the node"
+            who = self.p.tenants.owner(c.key)
+            taken[(t, who)] += 1
+            # Fair share: while a tenant is over its share of t, only tenants over theirs shed
+            # there, none beyond its excess.
+            assert not over[t] or taken[(t, who)] <= over[t].get(who, 0), \
+                f"{c}: tenant {who!r} shed below its share of {t.label} while {over[t]} were over"
         chosen = [c for c in shed if not isinstance(c, Promote)]
         if reader is not None and chosen and sum(self.pins.values()) < 3:
             c = chosen[reader % len(chosen)]
@@ -358,10 +369,10 @@ class PolicyMachine(RuleBasedStateMachine):
 
     # --- rules ----------------------------------------------------------------------------------
 
-    @rule(path=paths, lost=lose, reader=readers)
-    def put(self, path, lost, reader) -> None:
+    @rule(path=paths, lost=lose, reader=readers, tenant=st.sampled_from(["", "x", "y"]))
+    def put(self, path, lost, reader, tenant) -> None:
         free = sum(self.p.room(t) for t in LOCAL)
-        tiers, cmds = self.p.on_put(list(path), PARENT[path[0]], self.now)
+        tiers, cmds = self.p.on_put(list(path), PARENT[path[0]], self.now, tenant=tenant)
         for k, t in zip(path, tiers):
             if t is not None:
                 self.gen += 1
@@ -487,7 +498,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self._fresh()
         for t in (CPU, DISK):
             for slot, k in sorted(self.headers[t].items()):
-                assert self.idx[t].add(k, PARENT[k], slot) is not None
+                assert self.p.restore(t, k, PARENT[k], slot) is not None  # as arena_fill and disk_adoption do
 
     # --- invariants -----------------------------------------------------------------------------
 
@@ -521,6 +532,15 @@ class PolicyMachine(RuleBasedStateMachine):
             for e in self.idx[t].ready():
                 assert e.pins == self.pins[(t, e.key)] + e.leaving, f"{e.key!r} pins leak in {t.label}"
         assert all(self.idx[t].get(k) is not None for (t, k), n in self.pins.items() if n)
+
+    @invariant()
+    def tenant_counts_are_what_the_tiers_hold(self) -> None:
+        for t in NODE:
+            held = Counter(self.p.tenants.owner(e.key) for e in self.idx[t].ready())
+            assert held == self.p.tenants.blocks.get(t, Counter()), f"{t.label}: tenant counts drifted"
+        for k in list(self.p.tenants._owner):  # an owner only for a block on the node, or on its way
+            assert any(self.idx[t].get(k) is not None or k in self.p._incoming[t] for t in NODE), \
+                f"{k!r}: a tenant remembered for a block gone from the node"
 
     @invariant()
     def redis_record_only_for_local_blocks(self) -> None:

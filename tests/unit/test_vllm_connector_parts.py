@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -99,3 +101,13 @@ def test_gather_then_scatter_round_trips_every_byte(kv_outer):
 def test_layers_with_different_pages_are_refused():
     with pytest.raises(ValueError, match="disagree"):
         page_shape([torch.zeros(4, 2, 8), torch.zeros(4, 2, 16)])
+
+
+def test_a_requests_tenant_is_what_its_keys_are_separated_by() -> None:
+    from kvtier.bus.codec import NAME_RE
+    from kvtier.integrations.vllm.connector_config import request_tenant
+
+    assert request_tenant(None, None) == ""
+    assert request_tenant("secret-of-acme", None) == "salt:" + hashlib.sha256(b"secret-of-acme").hexdigest()[:8]
+    assert request_tenant("s", "sql adapter/v2") == "lora:sql_adapter/v2"  # the LoRA first; no spaces
+    assert NAME_RE.fullmatch(request_tenant(None, "x" * 500))

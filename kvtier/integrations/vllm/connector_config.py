@@ -16,6 +16,7 @@ pool's layout fingerprint, a salt and the LoRA name. The salt commits, length-pr
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,6 +113,18 @@ def request_pin(params: Any) -> tuple[Any, Any] | None:
     if not isinstance(mine, dict) or "pin_s" not in mine:
         return None
     return mine["pin_s"], mine.get("tenant", "")
+
+
+def request_tenant(cache_salt: str | None, lora_name: str | None) -> str:
+    """The tenant a request's saved blocks count for in the node's fair share (docs/operations.md,
+    "Tenants and fair share"): what its keys are already separated by, "lora:<name>" (characters
+    a tenant name may not hold become "_"), else "salt:" and 8 hex digits of its cache salt's
+    SHA-256 (the salt itself never leaves the engine), else "" (the default tenant)."""
+    if lora_name:
+        return "lora:" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", lora_name)[:123]
+    if cache_salt:
+        return "salt:" + hashlib.sha256(cache_salt.encode()).hexdigest()[:8]
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,13 @@ import torch
 
 from kvtier.client import ManifestEntry, ReadCounts, checksum_parts, checksum_stream
 from kvtier.integrations.link import EngineLink, PoolSpec
-from kvtier.integrations.vllm.connector_config import ConnectorSettings, KeyNamespace, namespace_id, rank_salt
+from kvtier.integrations.vllm.connector_config import (
+    ConnectorSettings,
+    KeyNamespace,
+    namespace_id,
+    rank_salt,
+    request_tenant,
+)
 from kvtier.integrations.vllm.connector_copy import block_view, copy_block, page_shape, scatter_blocks
 from kvtier.integrations.vllm.connector_transfers import BlockTransfer, GroupPart
 
@@ -323,6 +329,7 @@ class WorkerMover:
         # not staged then is dropped and counted (a future miss, never an error).
         done = self.link.put_with(client, todo, lambda i, dst: self._copy_pages_out(g, ids[i], dst),
                                   parent=keys[start - 1] if start else None, wait_s=self.s.save_wait_s,
-                                  token_ids=toks if len(toks) == len(todo) * bs else None)
+                                  token_ids=toks if len(toks) == len(todo) * bs else None,
+                                  tenant=request_tenant(tr.cache_salt, tr.lora_name))
         c.add("saved_blocks", done)
         c.add("save_dropped_blocks", len(todo) - done)
