@@ -51,3 +51,7 @@ class AppliedEntries:
 
     def discard(self) -> None:
         self._pending.clear()
+
+    def __len__(self) -> int:
+        """Stamps remembered (a batch's pending ones join them at its commit)."""
+        return len(self._applied)

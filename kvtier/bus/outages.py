@@ -18,7 +18,7 @@ LEDGER_CAP = 65536
 
 class OutageLedger:
     def __init__(self, cap: int = LEDGER_CAP) -> None:
-        self._cap = cap
+        self.cap = cap
         self._lost: OrderedDict[tuple[str, bytes], int] = OrderedDict()
 
     def record(self, lost: set[tuple[str, bytes]], acked: dict[str, list[bytes]],
@@ -32,7 +32,7 @@ class OutageLedger:
         for key in lost - settled:
             self._lost[key] = self._lost.get(key, 0) + 1
             self._lost.move_to_end(key)
-        while len(self._lost) > self._cap:
+        while len(self._lost) > self.cap:
             self._lost.popitem(last=False)
 
     def counted(self, stream: str, entry_id: bytes, delivered: int) -> int:

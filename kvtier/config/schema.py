@@ -238,6 +238,8 @@ class PinsConfig:
 
     # What one tenant may keep pinned in one pool, in bytes (0 = no pins).
     budget_bytes: int = setting(size(), 1 << 30)
+    # Tenants with a budget of their own (tenant -> bytes), instead of budget_bytes.
+    tenant_budget_bytes: tuple[tuple[str, int], ...] = setting(table(size()), ())
     # A longer pin is cut to this. At most redis.block_ttl_s, which a Redis copy written later gets.
     max_ttl_s: int = setting(integer(1, 7 * 86400), 3600)
     # All pins of a pool together hold at most this share of the node's slots of it.

@@ -22,12 +22,13 @@ from typing import Any, TypeVar
 import structlog
 
 from kvtier.bus.connect import AsyncRedis, check_reachable, is_cluster, make_blocks_redis, make_redis, resolve_url
-from kvtier.bus.consumer import Consumer, Delivery
+from kvtier.bus.consumer import Consumer
 from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.bus.publisher import BusStats, Publisher
 from kvtier.bus.streams import StreamNames
 from kvtier.config import Config, redact_url
 from kvtier.core.events import Tier
+from kvtier.daemon.caches import daemon_caches
 from kvtier.daemon.chores import Chores, bounded
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.disk_adoption import DiskAdoption
@@ -80,6 +81,7 @@ class Daemon:
         self.bus_stats = BusStats()
         self.pools: dict[str, PoolRuntime] = {}
         self.consumers: list[Consumer] = []
+        self.handlers: dict[str, Coordinator | TierWorker] = {}  # by role, in the order of their consumers
         self.embedded: EmbeddedRedis | None = None
         self.ready = asyncio.Event()  # set once serving (READY=1 sent)
         self._stack = contextlib.AsyncExitStack()
@@ -242,30 +244,28 @@ class Daemon:
 
         grants = self.grants = GrantBook(self.pools, staging, cfg.daemon.grant_blocks, self.log)
         grants.renew(sorted(staging.present()))  # before serving: clients drop an earlier daemon's grants
-        coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log,
-                                  on_facts if sinks else None, router.note_tokens if router is not None else None,
-                                  grants)
-        self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator",
-                                         coordinator.handle, coordinator.flush)]
+        coordinator = Coordinator(
+            self.pools, staging, publisher, self.names, self.log, on_facts if sinks else None,
+            router.note_tokens if router is not None else None, grants)
+        self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator", coordinator)]
         for t in Tier:
             if t == Tier.DISK and all(rt.disk is None for rt in self.pools.values()):
                 continue  # no pool has a disk tier, so no command goes there
-            worker = TierWorker(t, self.pools, staging, publisher, self.names.facts, self.log,
-                                off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
-                                copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
-                                flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections,
-                                failpoints=self.failpoints, grants=grants)
-            self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker.handle, worker.flush))
+            worker = TierWorker(
+                t, self.pools, staging, publisher, self.names.facts, self.log,
+                off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
+                copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
+                flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections, failpoints=self.failpoints, grants=grants)
+            self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker))
 
-    def _consumer(self, bus: AsyncRedis, streams: list[str], role: str,
-                  handler: Callable[[Delivery], Awaitable[None]], after_batch: Callable[[], Awaitable[None]],
-                  ) -> Consumer:
+    def _consumer(self, bus: AsyncRedis, streams: list[str], role: str, handler: Coordinator | TierWorker) -> Consumer:
+        self.handlers[role] = handler
         b = self.cfg.bus
         return Consumer(
-            bus, streams, GROUP, f"{self.cfg.node.id}-{role}", handler,
+            bus, streams, GROUP, f"{self.cfg.node.id}-{role}", handler.handle,
             dlq=self.names.dlq, read_count=b.read_count, block_ms=b.block_ms, claim_idle_ms=b.claim_idle_ms,
             max_deliveries=b.max_deliveries, publisher_maxlen=b.stream_maxlen, stats=self.bus_stats,
-            log=self.log.bind(worker=role), after_batch=after_batch, failpoints=self.failpoints,
+            log=self.log.bind(worker=role), after_batch=handler.flush, failpoints=self.failpoints,
         )
 
     def _start_chores(self, chores: Chores, bus: AsyncRedis, staging: StagingSegments) -> None:
@@ -330,11 +330,10 @@ class Daemon:
     def snapshot(self) -> dict[str, Any]:
         return {
             "node": self.cfg.node.id, "pid": os.getpid(), "epoch": self.epoch,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "ready_s": self.ready_s,
+            "uptime_s": round(time.monotonic() - self.started, 3), "ready_s": self.ready_s,
             "written_at": time.time(), "stats_interval_s": self.cfg.daemon.stats_interval_s,
-            "bus": self.bus_stats.as_dict(),
-            "loop": self.loop_lag.as_dict(),
+            "bus": self.bus_stats.as_dict(), "loop": self.loop_lag.as_dict(),
+            "caches": daemon_caches(self.handlers, self.consumers),
             "pools": {name: {**pool_snapshot(rt), "models": self.manifests and self.manifests.snapshot(name)}
                       for name, rt in self.pools.items()},
             "streams": dict(self.stream_info),

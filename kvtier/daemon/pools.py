@@ -178,7 +178,8 @@ def _open_pool(cfg: PoolConfig, node: str, policy: PolicyConfig, redis_blocks_cl
                  block_bytes=bb)
 
     placement = Placement(cfg.name, indices, policy_knobs(policy),  # from here on the one owner of the indices
-                          pin_rules=PinRules(pins.budget_bytes, {}, pins.max_ttl_s, pins.node_share), block_bytes=bb,
+                          pin_rules=PinRules(pins.budget_bytes, dict(pins.tenant_budget_bytes), pins.max_ttl_s,
+                                             pins.node_share), block_bytes=bb,
                           tenant_rules=TenantRules(dict(tenants.weights), tenants.default_weight,
                                                    {k: v // bb for k, v in tenants.cap_bytes}, dict(tenants.aliases)))
     table = arena.table

@@ -100,6 +100,20 @@ async def test_budgets_refuse_what_is_over_them_and_pins_expire(daemon_factory):
         assert pins(d)["blocks"] == 8, stats_before
 
 
+async def test_a_tenant_named_in_config_has_its_own_budget(daemon_factory):
+    budget = '[pins]\nbudget_bytes = "16KiB"\ntenant_budget_bytes = { big = "32KiB", none = 0 }\n'  # 2, 4, 0 blocks
+    d = daemon_factory(node="a", gpu=0, cpu=16, extra=THROUGH + budget)
+    async with await Client.connect(d.runtime_dir) as c:
+        keys = [c.block_keys("t", list(range(80)), salt=b"n%d" % i) for i in range(3)]
+        for i, chain in enumerate(keys):
+            await put_chain(c, chain, make_kv(5, seed=i))
+        for chain, tenant in zip(keys, ("big", "small", "none")):
+            await c.pin("t", chain, 60, tenant=tenant)
+        await async_wait_until(lambda: pins(d).get("refused_budget") == 1 + 3 + 5, timeout=10,
+                               message="each over its own budget")
+        assert pins(d)["tenants"] == {"big": 4, "small": 2}
+
+
 async def test_short_pins_expire_by_themselves(daemon_factory):
     d = daemon_factory(node="a", gpu=0, cpu=16, extra=THROUGH)
     async with await Client.connect(d.runtime_dir) as c:

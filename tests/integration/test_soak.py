@@ -71,6 +71,10 @@ async def test_soak_zipf_prefixes_three_times_the_local_capacity(daemon_factory,
     caches = stats["caches"]
     assert all(c["entries"] <= c["bound"] for c in caches.values()), caches
     assert caches["remote_reads"]["bound"] == 16 + 48 and caches["leases"]["bound"] == (16 + 48) // 2, caches
+    # And the daemon's own: the redelivery dedup, the command fences, the outage ledgers.
+    own = d.stats()["caches"]
+    assert {"coordinator.applied", "cpu.fence", "redis.applied", "gpu.outages"} <= own.keys(), own
+    assert all(c["entries"] <= c["bound"] for c in own.values()) and own["coordinator.applied"]["entries"] > 0, own
     # The streams stay a queue: what every group read is trimmed (stream_keep_s), not kept to MAXLEN.
     client_stream = r.xinfo_stream(f"kvtier:{{{d.node}}}:client")
     assert client_stream["length"] < client_stream["entries-added"] // 2, client_stream

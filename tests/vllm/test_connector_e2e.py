@@ -13,6 +13,7 @@ engine loaded the first model's KV (intact bytes, checksums pass, wrong answers)
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
@@ -157,3 +158,14 @@ def test_status_lists_which_models_the_pool_holds(scenario):
     assert sorted(m["model"] for m in models) == ["m", "m"]  # one served name, two sets of weights
     assert len({m["weights"]["weights"] for m in models}) == 2
     assert all(m["engine"] == "vllm-connector" and m["page"]["block_tokens"] == BS for m in models)
+
+
+def test_a_salted_requests_blocks_count_for_its_salts_tenant(scenario):
+    """Fair share (docs/operations.md, "Tenants and fair share"): the connector names a request's
+    tenant by what separates its keys, here its cache salt, never the salt itself."""
+    tenants = scenario["a_stats"]["tenants"]
+    for salt in ("tenant-b", "tenant-c"):
+        mine = tenants.get("salt:" + hashlib.sha256(salt.encode()).hexdigest()[:8], {})
+        assert sum(v for k, v in mine.items() if k.endswith("_bytes")) + mine.get("evicted", 0) > 0, tenants
+    assert not any(salt in name for name in tenants for salt in ("tenant-b", "tenant-c"))
+    assert sum(v for k, v in tenants[""].items() if k.endswith("_bytes")) > 0  # the unsalted requests'
