@@ -101,3 +101,24 @@ def test_the_tenant_is_a_late_field_of_put_left_out_when_empty() -> None:
     assert decode(encode(plain)).event.tenant == ""
     named = Envelope(Put("p", "seg", (block,), tenant="acme"), "c", 1, 2)
     assert decode(encode(named)).event.tenant == "acme"
+
+
+def test_status_and_the_snapshot_show_the_tenants_with_the_most_bytes_and_the_rest_as_other() -> None:
+    from kvtier.daemon.snapshot import TOP_TENANTS, tenants_snapshot
+    from kvtier.status import render_status
+
+    u = TenantUsage()
+    for t in range(TOP_TENANTS + 3):  # tenant t holds t + 1 blocks, read once each
+        for i in range(t + 1):
+            u.claim(key(100 * t + i), f"tenant-{t}")
+            u.added(CPU, key(100 * t + i))
+            u.hit(key(100 * t + i))
+    snap = tenants_snapshot(u.counters(1024))
+    assert len(snap) == TOP_TENANTS + 1 and snap["tenant-10"] == {"cpu_bytes": 11 * 1024, "hits": 11}
+    assert snap["other"] == {"cpu_bytes": (1 + 2 + 3) * 1024, "hits": 1 + 2 + 3}  # the three smallest
+    tier = {"blocks": 0, "capacity": 4, "bytes": 0, "capacity_bytes": 4 << 20}
+    pool = {"block_bytes": 1024, "puts": 0, "puts_dropped": 0, "misses": 0, "redis_corrupt": 0,
+            "tiers": {"cpu": tier}, "tenants": snap}
+    assert "tenant-10 11 KiB hits 11 evicted 0" in render_status({"node": "n", "pid": 1, "pools": {"p": pool}})
+    pool["tenants"] = {"": {"cpu_bytes": 1024}}  # the default tenant alone: no line
+    assert "tenants" not in render_status({"node": "n", "pid": 1, "pools": {"p": pool}})
