@@ -4,7 +4,9 @@ XADD's MAXLEN caps a stream by count only, so a busy node's streams sit at their
 about 840 bytes an entry five full streams take some 400 MB of the Redis that also holds the
 blocks (and streams carry no TTL, so `volatile-lru` evicts blocks, never them). The bus is a
 queue, not a log: once every group has been handed an entry and none holds it pending, the
-entry is history, kept only `keep_ms` for whoever inspects the stream. Pure: the sampler
+entry is history, kept only `keep_ms` for whoever inspects the stream. Age is measured from the
+newest entry handed to any group (ids are the server's milliseconds), not from a clock: no
+clock skew to mind, and no TIME command, which a cluster pipeline refuses. Pure: the sampler
 (kvtier/daemon/sampler.py) asks Redis and sends the XTRIM MINID.
 """
 
@@ -30,14 +32,14 @@ class GroupMark:
     oldest_pending: EntryId | None = None
 
 
-def trim_floor(now_ms: int, keep_ms: int, groups: Iterable[GroupMark]) -> str | None:
+def trim_floor(keep_ms: int, groups: Iterable[GroupMark]) -> str | None:
     """The MINID for XTRIM: entries below it were handed to every group, acked by all, and are
-    older than `keep_ms` by the server's clock (ids are its milliseconds). None when no group
+    more than `keep_ms` older than the newest entry any group was handed. None when no group
     reads the stream: nothing is known to be read, so only MAXLEN bounds it."""
     marks = list(groups)
     if not marks:
         return None
-    floor: EntryId = (max(0, now_ms - keep_ms), 0)
+    floor: EntryId = (max(0, max(g.delivered for g in marks)[0] - keep_ms), 0)
     for g in marks:
         floor = min(floor, g.delivered, g.oldest_pending or g.delivered)
     return None if floor == (0, 0) else f"{floor[0]}-{floor[1]}"

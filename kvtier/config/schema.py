@@ -87,7 +87,8 @@ class EmbeddedRedisConfig:
 @dataclass(frozen=True, slots=True)
 class BusConfig:
     stream_maxlen: int = setting(integer(1000), 100_000)
-    # Entries every consumer group has read and acked are trimmed once this old (bus/trim.py):
+    # Entries every consumer group has read and acked are trimmed once this much older than the
+    # newest entry handed out (bus/trim.py):
     # the streams are a queue, and full ones would crowd blocks out of a shared Redis.
     stream_keep_s: float = setting(number(ge=0), 10.0)
     claim_idle_ms: int = setting(integer(1), 30_000)

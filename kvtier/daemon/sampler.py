@@ -22,8 +22,7 @@ async def _sample_once(bus: AsyncRedis, names: list[str], group: str, into: dict
     async with bus.pipeline(transaction=False) as pipe:
         for n in names:
             pipe.xinfo_groups(n)
-        pipe.time()
-        *replies, (sec, usec) = await pipe.execute(raise_on_error=False)
+        replies = await pipe.execute(raise_on_error=False)
     found = {n: groups for n, groups in zip(names, replies) if isinstance(groups, list)}
     for n, groups in found.items():
         g = next((g for g in groups if _field(g, "name") == group), None)
@@ -36,8 +35,7 @@ async def _sample_once(bus: AsyncRedis, names: list[str], group: str, into: dict
             pipe.xpending(n, name)
         oldest = {k: entry_id(s["min"]) for k, s in zip(held, await pipe.execute())
                   if isinstance(s, dict) and s.get("min")}
-    now_ms = int(sec) * 1000 + int(usec) // 1000
-    floors = {n: trim_floor(now_ms, keep_ms, [
+    floors = {n: trim_floor(keep_ms, [
         GroupMark(entry_id(_field(g, "last-delivered-id")), oldest.get((n, _field(g, "name"))))
         for g in groups]) for n, groups in found.items()}
     async with bus.pipeline(transaction=False) as pipe:

@@ -8,9 +8,12 @@ import urllib.request
 
 import pytest
 
+from kvtier.bus.connect import make_redis
 from kvtier.bus.trim import entry_id
 from kvtier.client import Client
+from kvtier.daemon.sampler import _sample_once
 from tests.support.blocks import make_kv
+from tests.support.redis_cluster import RedisCluster
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
@@ -62,3 +65,22 @@ async def test_read_and_acked_entries_are_trimmed_and_held_ones_stay(daemon_fact
                     if ln.startswith(f'kvtier_stream_trimmed_total{{stream="{names["facts"]}"}}'))
         assert float(line.split()[-1]) >= counted["facts"]
     r.close()
+
+
+async def test_the_trim_runs_on_a_redis_cluster(tmp_path):
+    """Every command of the sampler's round is keyed to the node's hash tag: a cluster pipeline
+    takes it (it refuses keyless ones such as TIME)."""
+    with RedisCluster.serving(tmp_path, masters=3) as cluster:
+        r = make_redis(cluster.url, socket_timeout=2, connect_timeout=2, retries=1)
+        try:
+            stream = "kvtier:{trim-node}:facts"
+            await r.xgroup_create(stream, "kvtier", id="0", mkstream=True)
+            for _ in range(PUTS):
+                await r.xadd(stream, {"e": b"x"})
+            [(_, read)] = await r.xreadgroup("kvtier", "c", {stream: ">"})
+            await r.xack(stream, "kvtier", *[eid for eid, _ in read])
+            into: dict = {}
+            await _sample_once(r, [stream], "kvtier", into, 0)
+            assert into[stream]["trimmed"] > 0 and await r.xlen(stream) == PUTS - into[stream]["trimmed"]
+        finally:
+            await r.aclose()
