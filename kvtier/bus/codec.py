@@ -14,8 +14,9 @@ import enum
 import re
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import msgpack
@@ -36,7 +37,7 @@ MAX_PACKED = 4096  # events in one packed entry
 # Fields added to an event type after it shipped, with the value they take when absent: left
 # out on the wire at that value and accepted missing, so clients and daemons one release apart
 # still understand each other's events of that type (any other field set is exact).
-LATE_FIELDS: dict[str, dict[str, object]] = {"put": {"tenant": ""}}
+LATE_FIELDS: Mapping[str, Mapping[str, object]] = MappingProxyType({"put": MappingProxyType({"tenant": ""})})
 
 
 def encode(env: Envelope) -> bytes:
