@@ -250,6 +250,7 @@ class Placement(Promotion):
             dst = c.tier if isinstance(c, (Store, Evict)) else c.dst
             if dst in self._incoming and not isinstance(c, (Evict, Copy)):
                 self._incoming[dst].pop(c.key)
+                self.forget_tenant(c.key)  # a put's owner, unless the block is here after all
             if isinstance(c, (Demote, Evict)):
                 self._unmark(c.src if isinstance(c, Demote) else c.tier, c.key)
 

@@ -99,8 +99,8 @@ class Room(Residency):
         self.pins.expire(now)
 
     def forget_tenant(self, key: BlockKey) -> None:
-        """A block that never arrived: its tenant is forgotten, unless it is on the node or on
-        its way there after all."""
+        """A block gone from the node, or that never arrived: its tenant is forgotten, unless it
+        is on the node or on its way there after all."""
         if all(self.tiers[u].get(key) is None and key not in self._incoming[u] for u in NODE):
             self.tenants.forget(key)
 

@@ -80,7 +80,8 @@ class Shedding(Room):
         give_up = now + self.knobs.transfer_timeout_s
         out: list[Command] = []
         # While a tenant is over its share of `t`, only theirs (core/tenants.py).
-        for key in list(self.tenants.shed_order(t, idx.candidates(), idx.capacity)):
+        leaving = [k for u, k in self._leaving if u == t]
+        for key in list(self.tenants.shed_order(t, idx.candidates(), idx.capacity, leaving)):
             if excess <= 0:
                 break
             if key in self._leases or self._incoming[t].kids(key):

@@ -130,13 +130,18 @@ class TenantUsage:
         over = self.excess(t, capacity)
         return set(over) if over else None
 
-    def shed_order(self, t: Tier, candidates: Iterable[BlockKey], capacity: int) -> Iterator[BlockKey]:
+    def shed_order(self, t: Tier, candidates: Iterable[BlockKey], capacity: int,
+                   leaving: Iterable[BlockKey] = ()) -> Iterator[BlockKey]:
         """`candidates` (coldest first) in the order `t` may shed them: while any tenant is over
-        its share, only theirs, each up to its excess; with nobody over, all of them."""
+        its share, only theirs, each up to its excess less its blocks already `leaving` `t` (still
+        counted until they go); with nobody over, all of them."""
         over = self.excess(t, capacity)
         if not over:
             yield from candidates
             return
+        for key in leaving:
+            if (who := self.owner(key)) in over:
+                over[who] -= 1
         for key in candidates:
             who = self.owner(key)
             if over.get(who, 0) > 0:

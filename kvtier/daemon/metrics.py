@@ -220,7 +220,7 @@ def _tenant_metrics(s: dict[str, Any]) -> list[GaugeMetricFamily | CounterMetric
     """Fair share (kvtier/core/tenants.py), with the tenant label bounded as the pins' is."""
     nbytes = GaugeMetricFamily("kvtier_tenant_bytes", "Bytes a tenant's blocks take in a node tier",
                                labels=["pool", "tier", "tenant"])
-    hits = CounterMetricFamily("kvtier_tenant_hits", "Blocks of a tenant read from a local tier",
+    hits = CounterMetricFamily("kvtier_tenant_hits", "Blocks of a tenant read from a node tier",
                                labels=["pool", "tenant"])
     evicted = CounterMetricFamily("kvtier_tenant_evictions", "Blocks of a tenant dropped from a node tier",
                                   labels=["pool", "tenant"])

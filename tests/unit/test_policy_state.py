@@ -310,7 +310,14 @@ class PolicyMachine(RuleBasedStateMachine):
         """As Coordinator.flush: what pressure sheds joins the batch's commands, decided before
         any of them has run, and all are published (here: run) together. With a `reader`, a
         reader pins one of the blocks chosen to leave after the choice, before its worker acts."""
-        over = {t: self.p.tenants.excess(t, self.idx[t].capacity or 0) for t in NODE}  # before the decision
+        # Before the decision (and after the marks it expires first): each tenant's excess, less
+        # what of it is already on its way out.
+        self.p._expire(self.now)
+        over = {t: self.p.tenants.excess(t, self.idx[t].capacity or 0) for t in NODE}
+        for t in NODE:
+            for e in self.idx[t].ready():
+                if e.leaving and self.p.tenants.owner(e.key) in over[t]:
+                    over[t][self.p.tenants.owner(e.key)] -= 1
         shed = self.p.pressure(self.now)
         self.expired()
         taken: Counter[tuple[Tier, str]] = Counter()

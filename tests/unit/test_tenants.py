@@ -122,3 +122,26 @@ def test_status_and_the_snapshot_show_the_tenants_with_the_most_bytes_and_the_re
     assert "tenant-10 11 KiB hits 11 evicted 0" in render_status({"node": "n", "pid": 1, "pools": {"p": pool}})
     pool["tenants"] = {"": {"cpu_bytes": 1024}}  # the default tenant alone: no line
     assert "tenants" not in render_status({"node": "n", "pid": 1, "pools": {"p": pool}})
+
+
+def test_blocks_already_leaving_count_against_a_tenants_excess() -> None:
+    """Shedding decided last round is still counted until the worker acts: a second round must
+    not take the same excess again (it would push that tenant below its share)."""
+    u = usage(TenantRules(), {"hot": 2, "flood": 8})
+    order = list(u.shed_order(CPU, [key(i) for i in range(1, 11)], 10, leaving=[key(9), key(10)]))
+    assert order == [key(3)], "flood's excess of 3, two of it on their way out already"
+
+
+def test_an_undone_put_forgets_its_owner_and_one_gone_but_coming_back_keeps_it() -> None:
+    from kvtier.core.events import Store
+
+    p = Placement("p", {CPU: TierIndex(4), Tier.GPU: TierIndex(4), Tier.REDIS: TierIndex(None)}, knobs())
+    [t], _ = p.on_put([key(1)], None, 0.0, tenant="a")
+    p.revert([Store("p", t, key(1), None, "seg", 0, 1)])  # never published
+    p.on_put([key(1)], None, 1.0, tenant="b")
+    assert p.tenants.owner(key(1)) == "b"
+    assert p.reserve(Tier.GPU, key(2), None) is not None
+    p.tenants.claim(key(2), "c")
+    p._incoming[CPU].add(key(2), None, 100.0)  # on its way down into cpu as its gpu copy goes
+    p.dropped(Tier.GPU, key(2))
+    assert p.tenants.owner(key(2)) == "c"
