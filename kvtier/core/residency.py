@@ -54,8 +54,7 @@ class Residency:
 
     def forget_tenant(self, key: BlockKey) -> None:
         """`key` is on the node no more: its owner goes (core/room.py: unless on its way back in)."""
-        if all(self.tiers[u].get(key) is None for u in NODE):
-            self.tenants.forget(key)
+        self.tenants.forget(key)
 
     def where(self, key: BlockKey) -> Tier | None:
         """The highest tier known to hold `key` as a visible block."""
@@ -131,8 +130,8 @@ class Residency:
         gone = self.tiers[t].retire()
         for e in gone:
             self.tenants.removed(t, e.key, evicted=False)
-            self.forget_tenant(e.key)
             if all(self.tiers[u].get(e.key) is None for u in NODE):
+                self.forget_tenant(e.key)
                 self.tiers[Tier.REDIS].remove(e.key)
         return gone
 

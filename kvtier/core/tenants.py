@@ -19,6 +19,7 @@ the shedding and make-room rules (core/shedding.py, core/room.py) ask it whom th
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -116,7 +117,7 @@ class TenantUsage:
             cap = self.rules.caps.get(who)
             over = max(n - capacity * self.rules.weight(who) / total, n - cap if cap is not None else 0)
             if over > 0:
-                out[who] = int(over) + (over > int(over))  # a part block over counts as one
+                out[who] = math.ceil(over)  # a part block over counts as one
         return out
 
     def allowance(self, t: Tier, tenant: str) -> int | None:
