@@ -169,8 +169,10 @@ class DaemonConfig:
     # checksums release the GIL); 0 = min(4, CPU cores).
     copy_threads: int = setting(integer(0, 64), 0)
     # Cpu arena slots each client's staging segment is granted ahead of its puts, which the
-    # client then writes itself, in one pass (kvtier/tiers/grants.py); 0 = every put is staged.
-    grant_blocks: int = setting(integer(0, 256), 128)
+    # client then writes itself, in one pass (kvtier/tiers/grants.py): at most grant_blocks
+    # blocks and grant_bytes of them, so small blocks get more; 0 (either) = every put is staged.
+    grant_blocks: int = setting(integer(0, 65536), 4096)
+    grant_bytes: int = setting(size(), 256 << 20)
     # Fault tests only: SIGKILL the daemon at a named point (kvtier/failpoints.py). "" = none.
     failpoint: str = setting(string(FAILPOINT.pattern, "a failpoint name, optionally ':<n>'"), "", text=True)
 

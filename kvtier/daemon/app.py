@@ -242,7 +242,7 @@ class Daemon:
             for sink in sinks:
                 sink(pool, facts)
 
-        grants = self.grants = GrantBook(self.pools, staging, cfg.daemon.grant_blocks, self.log)
+        grants = self.grants = GrantBook(self.pools, staging, cfg.daemon.grant_blocks, self.log, cfg.daemon.grant_bytes)
         grants.renew(sorted(staging.present()))  # before serving: clients drop an earlier daemon's grants
         coordinator = Coordinator(
             self.pools, staging, publisher, self.names, self.log, on_facts if sinks else None,

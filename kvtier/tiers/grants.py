@@ -9,7 +9,7 @@ miss), never another's bytes.
 
 The book is the truth: a slot is adopted only if this daemon granted it to that very segment
 and it was not adopted or taken back since. Grants are slots of the pool's index under no key
-(kvtier/core/index.py), not free: at most `per_client` and a sixteenth of the arena per segment,
+(kvtier/core/index.py), not free: at most `client_cap` and a sixteenth of the arena per segment,
 and a quarter of the arena in all, since a full arena frees clean blocks to grant; an arena of
 fewer than GRANT_MIN_SLOTS slots grants none. They come back
 when a put of a block already here hands its slot back, when the header does not check out,
@@ -24,12 +24,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtier.core.events import Failure, Store, Tier
+from kvtier.core.index import Entry
 from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
 from kvtier.logs import Log
+from kvtier.shm.flips import flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RingFile
-from kvtier.shm.slots import Flags
+from kvtier.shm.slots import SLOT_MAGIC, Flags, key_tag
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
@@ -54,10 +58,14 @@ class Held:
 
 
 class GrantBook:
-    def __init__(self, pools: dict[str, PoolRuntime], staging: StagingSegments, per_client: int, log: Log) -> None:
+    def __init__(self, pools: dict[str, PoolRuntime], staging: StagingSegments, per_client: int, log: Log,
+                 per_client_bytes: int = 256 << 20) -> None:
         self.pools = pools
         self.staging = staging
-        self.per_client = per_client  # grants each staging segment holds at most (0: none)
+        # What each staging segment holds at most, in blocks and in bytes (0: none): the bytes
+        # bound big blocks, so that small ones, whose per-block cost is the daemon's, get many.
+        self.per_client = per_client
+        self.per_client_bytes = per_client_bytes
         self.epoch = secrets.randbits(62) | 1  # puts carry it: one granted by an earlier daemon is refused
         self.log = log.bind(worker="grants")
         self._held: dict[str, Held] = {}
@@ -65,8 +73,13 @@ class GrantBook:
 
     def want(self, pool: str, segment: str) -> None:
         """The segment's client puts into this pool's cpu tier: grant it slots at the next top-up."""
-        if self.per_client and self.pools[pool].cpu.device_payload is None:
+        if self.client_cap(self.pools[pool]) and self.pools[pool].cpu.device_payload is None:
             self._wanted[segment] = pool
+
+    def client_cap(self, rt: PoolRuntime) -> int:
+        """Grants one segment holds at most in this pool: `per_client` blocks, and no more
+        than `per_client_bytes` of them."""
+        return min(self.per_client, self.per_client_bytes // rt.layout.block_bytes)
 
     def take(self, pool: str, segment: str, slot: int) -> bool:
         """Take `slot` out of the book for a put naming it: False unless this daemon granted it to
@@ -95,31 +108,61 @@ class GrantBook:
     def adopt(self, rt: PoolRuntime, ev: Store) -> tuple[Outcome, str]:
         """A put the client wrote into granted slot `ev.slot`: checked in its header and made
         visible, the payload untouched. The outcome, and what the failure met ("" if none)."""
-        e = rt.cpu.index.get(ev.key)
-        if e is not None and e.slot == ev.slot and (here := held(rt.placement, ev, Tier.CPU)) is not None:
-            return here, ""  # adopted already: a redelivery
-        if not self.take(rt.name, ev.segment, ev.slot):
-            return failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} is not granted to {ev.segment}"
-        self.want(rt.name, ev.segment)
-        if (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
-            self.release(rt, ev.slot)
-            return here, ""
+        return self.adopt_many(rt, [ev])[0]
+
+    def adopt_many(self, rt: PoolRuntime, evs: list[Store]) -> list[tuple[Outcome, str]]:
+        """`adopt` for a batch's granted stores, in batch order: the headers are gathered and
+        checked in one pass, and the READY -> VALID flips made in one pass, rather than three
+        header reads and writes per block. A header's tag must bind its key and checksum, as
+        every reader demands: a header mixed from two writers is refused here, not made VALID.
+        The outcome of each, with what a failure met."""
         table, bb = rt.cpu.table, rt.layout.block_bytes
-        h = table.header(ev.slot)
-        entry = rt.placement.claim(Tier.CPU, ev.slot, ev.key, ev.parent) \
-            if h is not None and h.ready(ev.key, ev.gen, bb) else None
-        if entry is None or h is None:
-            self.release(rt, ev.slot)
-            return failed(ev, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"
-        # READY -> VALID under the seqlock: a reader that overlaps the flip misses, and every
-        # reader checks the payload against the checksum the client wrote.
-        table.end_write(ev.slot, table.begin_write(ev.slot), ev.key, bb, h.checksum, Flags.VALID, ev.parent)
-        rt.finish(rt.cpu, entry)
-        rt.counters.granted_puts += 1
-        return stored(ev, Tier.CPU, ev.slot), ""
+        slots = np.fromiter((ev.slot for ev in evs), dtype=np.int64, count=len(evs))
+        inside = ((slots >= 0) & (slots < table.n)).tolist()
+        slots = np.where(inside, slots, 0)
+        headers = table.headers(0, table.n)
+        snap = headers[slots]  # a copy: the headers as the client left them
+        gens = np.fromiter((ev.gen for ev in evs), dtype=np.uint64, count=len(evs))
+        keys = np.frombuffer(b"".join(ev.key for ev in evs), dtype="V32")
+        ok = ((snap["magic"] == SLOT_MAGIC) & (snap["flags"] == Flags.READY) & (snap["gen"] == gens)
+              & (gens % 2 == 0) & (snap["key"] == keys) & (snap["length"] == bb)).tolist()
+        csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
+        out: list[tuple[Outcome, str]] = []
+        flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry), made VALID below
+        for j, ev in enumerate(evs):
+            if not inside[j]:
+                out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} outside the arena"))
+                continue
+            e = rt.cpu.index.get(ev.key)
+            if e is not None and e.slot == ev.slot and (here := held(rt.placement, ev, Tier.CPU)) is not None:
+                out.append((here, ""))  # adopted already: a redelivery
+                continue
+            if not self.take(rt.name, ev.segment, ev.slot):
+                out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} not granted to {ev.segment}"))
+                continue
+            self.want(rt.name, ev.segment)
+            if (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
+                self.release(rt, ev.slot)
+                out.append((here, ""))
+                continue
+            entry = rt.placement.claim(Tier.CPU, ev.slot, ev.key, ev.parent) \
+                if ok[j] and tags[j] == key_tag(ev.key, csums[j]) else None
+            if entry is None:
+                self.release(rt, ev.slot)
+                out.append((failed(ev, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"))
+                continue
+            flips.append((j, entry))
+            out.append((stored(ev, Tier.CPU, ev.slot), ""))
+        if flips:
+            at = [j for j, _ in flips]
+            flip_valid(headers, slots[at], snap[at])
+            for _, entry in flips:
+                rt.finish(rt.cpu, entry)
+            rt.counters.granted_puts += len(flips)
+        return out
 
     async def top_up(self, make_room: Callable[[PoolRuntime], Awaitable[bool]]) -> int:
-        """Grant the wanted segments free cpu slots up to `per_client` each, freeing clean blocks
+        """Grant the wanted segments free cpu slots up to `client_cap` each, freeing clean blocks
         with `make_room(rt)` where none is free. How many were granted."""
         wanted, self._wanted = self._wanted, {}
         total = 0
@@ -139,7 +182,7 @@ class GrantBook:
                 slots_all = idx.slots or 0
                 if slots_all < GRANT_MIN_SLOTS:
                     continue
-                mine = min(self.per_client, slots_all // CLIENT_SHARE) - len(h.slots)
+                mine = min(self.client_cap(rt), slots_all // CLIENT_SHARE) - len(h.slots)
                 n = min(mine, ring.room(h.head), slots_all // GRANT_SHARE - idx.granted)
                 slots = rt.placement.grant(Tier.CPU, n) if n > 0 else []
                 while len(slots) < n and await make_room(rt):

@@ -6,11 +6,10 @@ fact, tells it to evict (write-back). Every command yields at most one fact, and
 idempotent, because delivery is at least once. A failed transfer is a `removed` fact with the
 command's cause and a `Failure`, a counter and a log line, never a half-visible block.
 
-The worker does the I/O: copies, Redis pipelines (kvtier/tiers/redis_batch.py), publishing
-facts. What each command's outcome is (its fact, its counter, what it means for Redis's copy) is
-decided by the pure rules in kvtier/core/outcomes.py, what may leave a tier by those in
-kvtier/core/eviction.py, and the tier indices change only through the pool's Placement, which
-owns them.
+The worker does the I/O: copies, Redis pipelines (kvtier/tiers/redis_batch.py), publishing facts.
+What each command's outcome is (its fact, its counter, what it means for Redis's copy) is decided
+by the pure rules in kvtier/core/outcomes.py, what may leave a tier by those in kvtier/core/eviction.py,
+and the tier indices change only through the pool's Placement, which owns them.
 """
 
 from __future__ import annotations
@@ -118,8 +117,9 @@ class TierWorker:
         if self.applied.duplicate(d.envelope):  # carried out already, its facts published
             rt.counters.tiers[self.tier.label].stale += len(ev.blocks) if isinstance(ev, StoreBatch) else 1
             return
-        cmds = ev.stores() if isinstance(ev, StoreBatch) else [ev]
         stamp = (d.envelope.epoch, d.envelope.seq)
+        cmds: list[Command] = [*await self._adopt_granted(rt, ev.stores(), stamp)] if isinstance(ev, StoreBatch) \
+            else [ev]
         bad: MalformedEvent | None = None
         for cmd in cmds:  # a batch's blocks one by one, each fenced on its own (one stamp for all)
             try:
@@ -130,21 +130,43 @@ class TierWorker:
             raise bad  # the entry goes to the dead-letter stream, with the first reason
         self.applied.handled(d.envelope)
 
+    def _fenced(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> bool:
+        """Whether `ev` is older than a command applied to its block (a late redelivery, reported
+        before or overtaken: applying it would undo a newer decision). Its slot is freed."""
+        if not self.fence.stale(rt.name, ev.key, stamp):
+            return False
+        rt.counters.tiers[self.tier.label].stale += 1
+        if isinstance(ev, Store) and ev.granted:
+            if self.grants is not None:
+                self.grants.give_back(rt, ev.segment, ev.slot)
+        elif isinstance(ev, Store):
+            self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
+        self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
+                      epoch=stamp[0], seq=stamp[1])
+        return True
+
+    def _queued(self, rt: PoolRuntime, key: BlockKey) -> bool:
+        return (rt.name, key) in self._staged or (rt.name, key) in self._redis or (rt.name, key) in self._moves
+
+    async def _adopt_granted(self, rt: PoolRuntime, cmds: list[Store], stamp: tuple[int, int]) -> list[Store]:
+        """A batch's stores into granted cpu slots, adopted together (GrantBook.adopt_many), each
+        fenced and reported on its own. The batch's other stores (all, where no grants), for `_command`."""
+        if self.grants is None or rt.cpu.device_payload is not None:
+            return cmds
+        todo = [ev for ev in cmds if ev.granted and not self._fenced(rt, ev, stamp)]
+        if todo:
+            t0 = time.perf_counter()
+            if any(self._queued(rt, ev.key) for ev in todo):
+                await self._drain()  # per-block order holds within a batch too
+            for ev, (outcome, detail) in zip(todo, self.grants.adopt_many(rt, todo)):
+                self.facts.report(rt, self.facts.settle(rt, outcome, ev, detail), t0)
+            self._fences.extend((rt.name, ev.key, stamp) for ev in todo)
+        return [ev for ev in cmds if not ev.granted]
+
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
-        if self.fence.stale(rt.name, ev.key, stamp):
-            # Older than a command already applied to this block: a late redelivery. Its
-            # outcome was reported the first time, or it was overtaken; applying it now would
-            # undo a newer decision (re-add an evicted block, drop one that came back).
-            rt.counters.tiers[self.tier.label].stale += 1
-            if isinstance(ev, Store) and ev.granted:
-                if self.grants is not None:
-                    self.grants.give_back(rt, ev.segment, ev.slot)
-            elif isinstance(ev, Store):
-                self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
-            self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
-                          epoch=stamp[0], seq=stamp[1])
+        if self._fenced(rt, ev, stamp):
             return
-        if any((rt.name, ev.key) in q for q in (self._staged, self._redis, self._moves)):
+        if self._queued(rt, ev.key):
             await self._drain()  # per-block order holds within a batch too
         t0 = time.perf_counter()
         fact: Fact | None

@@ -134,6 +134,41 @@ async def test_a_put_that_names_a_slot_not_granted_to_it_or_lies_about_its_check
         assert await a.get("t", liar, out) == 0 and await b.get("t", liar, out) == 0
 
 
+async def test_a_granted_header_mixed_from_two_writers_is_refused_never_read_as_the_other_block(
+        daemon_factory) -> None:
+    """Two writers of one granted slot (a client that outlived a daemon restart, and the one the
+    new daemon granted it to) can leave one's key beside the other's checksum and payload. The
+    daemon must not certify that mix: its tag binds the other key, so the put is refused. Were
+    the tag made afresh at adoption, a read of this key would return the other block's bytes."""
+    d = daemon_factory(gpu=0, cpu=CPU)
+    async with await Client.connect(d.runtime_dir) as b:
+        await put_chain(b, 2, 4)  # b's segment is known to the daemon, and granted slots
+        wb = b.pool("t").stager()
+        mine, theirs = keys_for(b, 8, 1), keys_for(b, 9, 1)
+        for i in range(200):
+            taken = wb.take_slots(mine, None)
+            if taken and taken[0].granted:
+                break
+            wb.unstage(taken)
+            await put_chain(b, 10 + i, 1)
+        else:
+            pytest.fail("b was granted no slot")
+        blk, arena = taken[0], wb.arena
+        assert arena is not None
+        # The other writer's block, whole, under its key; then this writer's key lands on top.
+        gen = arena.write_reserved(blk.slot, blk.gen, theirs[0], host_rows(make_kv(1, seed=91), 1)[0], Flags.READY)
+        arena.headers(0, arena.n)["key"][blk.slot] = np.frombuffer(mine[0], dtype="V32")[0]
+        dropped = stat(d, "puts_dropped")
+        await b._publisher.publish(b._client_stream, Put("t", wb.seg.name, (StagedBlock(mine[0], None, blk.slot, gen,
+                                                                                        granted=True),), None,
+                                                         wb.grant_epoch))
+        await async_wait_until(lambda: stat(d, "puts_dropped") > dropped, timeout=10,
+                               message="the mixed header refused")
+        assert arena.header(blk.slot).flags == Flags.EMPTY
+        out = torch.empty((1, *SHAPE), dtype=torch.float16)
+        assert await b.get("t", mine, out) == 0
+
+
 def _spawn_writer(rdir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.support.grant_writer", str(rdir)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,

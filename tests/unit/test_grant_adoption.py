@@ -1,0 +1,85 @@
+"""A batch of granted stores adopted together (GrantBook.adopt_many, kvtier/shm/flips.py): a real
+pool opened in-process (the daemon's own open_pool), a real client staging segment whose client
+writes its granted slots as the Client does.
+
+Each block of the batch gets the outcome `adopt` would give it alone: written whole, it becomes
+VALID with the header the client wrote (gen two on), readable; a slot not granted, out of the
+arena, or whose header does not bind its key to its checksum is refused, and the one granted is
+emptied; a redelivery is reported where it is. Slots outside the batch are not touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import numpy as np
+import structlog
+
+from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
+from kvtier.core.events import Failure, Removed, Store, Stored, Tier
+from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.shm.slots import Flags
+from kvtier.shm.staging import StagingWriter
+from kvtier.shm.staging_files import StagingSegments
+from kvtier.tiers.grants import GrantBook
+
+
+async def _no_room(rt) -> bool:
+    return False
+
+
+def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> None:
+    log = structlog.wrap_logger(structlog.PrintLogger(open(os.devnull, "w")))  # noqa: SIM115
+    node = f"test-adopt-{uuid.uuid4().hex[:6]}"
+    cfg = PoolConfig(name="s", model="m", layers=1, kv_heads=1, head_dim=64, block_tokens=16, dtype="float16",
+                     device="cpu", gpu_blocks=0, cpu_blocks=512)
+    rt = open_pool(cfg, node, PolicyConfig(), None, RedisConfig(), None, log)
+    staging = StagingSegments(node, log)
+    w = StagingWriter.create(node, 4, rt.layout.block_bytes, rt.layout.fingerprint, daemon_uid=os.geteuid(),
+                             shm_gid=None, arena=rt.cpu.table)
+    try:
+        bb, table = rt.layout.block_bytes, rt.cpu.table
+        book = GrantBook({"s": rt}, staging, 5, log)  # the five the client takes: no other slot is granted
+        assert book.client_cap(rt) == 5 and GrantBook({"s": rt}, staging, 5, log, 3 * bb).client_cap(rt) == 3
+        book.renew(sorted(staging.present()))
+        book.want("s", w.seg.name)
+        assert asyncio.run(book.top_up(_no_room)) == 5
+        keys = [bytes([i + 1]) * 32 for i in range(5)]
+        taken = w.take_slots(keys, None)
+        assert [b.granted for b in taken] == [True] * 5
+        rows = np.random.default_rng(3).integers(0, 255, (5, bb), dtype=np.uint8)
+        filled = [w.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
+        # Block 3: another writer's key lands on a header whose checksum and tag are block 3's.
+        table.headers(0, table.n)["key"][filled[3].slot] = np.frombuffer(bytes(31) + b"\x09", dtype="V32")[0]
+        mixed = Store("s", Tier.CPU, bytes(31) + b"\x09", None, w.seg.name, filled[3].slot, filled[3].gen, True)
+        before = table.headers(0, table.n).copy()
+        stores = [Store("s", Tier.CPU, b.key, b.parent, w.seg.name, b.slot, b.gen, True) for b in filled[:3]]
+        free = next(s for s in range(table.n) if s not in {b.slot for b in filled} and before["flags"][s] == 0)
+        bad = [mixed,
+               Store("s", Tier.CPU, keys[4], keys[3], w.seg.name, free, 2, True),  # never granted to it
+               Store("s", Tier.CPU, keys[4], keys[3], w.seg.name, table.n + 5, 2, True)]  # outside the arena
+        got = book.adopt_many(rt, [*stores, *bad])
+
+        for (o, why), b in zip(got[:3], filled[:3]):
+            assert isinstance(o.fact, Stored) and o.fact.slot == b.slot and why == ""
+            h = table.header(b.slot)
+            assert (h.flags, h.gen, h.key) == (Flags.VALID, b.gen + 2, b.key)
+            out = np.empty(bb, dtype=np.uint8)
+            assert table.read_into(b.slot, b.key, out) is not None and np.array_equal(out, rows[filled.index(b)])
+            assert rt.cpu.index.get(b.key) is not None
+        assert [(type(o.fact), o.fact.why) for o, _ in got[3:] if isinstance(o.fact, Removed)] == \
+            [(Removed, Failure.VERIFY), (Removed, Failure.BAD_STAGING), (Removed, Failure.BAD_STAGING)]
+        assert table.header(filled[3].slot).flags == Flags.EMPTY  # the refused grant emptied, then freed
+        after = table.headers(0, table.n)
+        changed = {int(s) for s in np.flatnonzero(after != before)}
+        assert changed == {b.slot for b in filled[:4]}
+        assert rt.counters.granted_puts == 3
+
+        again = book.adopt_many(rt, stores[:1])  # a redelivery: where it is, nothing moved
+        assert isinstance(again[0][0].fact, Stored) and again[0][0].count is None and rt.counters.granted_puts == 3
+    finally:
+        w.close(leave_uncounted=False)
+        staging.close()
+        close_pool(rt, persist_arena=False)
