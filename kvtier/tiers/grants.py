@@ -33,7 +33,7 @@ from kvtier.errors import SegmentError
 from kvtier.logs import Log
 from kvtier.shm.flips import flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RingFile
-from kvtier.shm.slots import SLOT_MAGIC, Flags, key_tag
+from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, key_tag
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
@@ -155,7 +155,10 @@ class GrantBook:
             out.append((stored(ev, Tier.CPU, ev.slot), ""))
         if flips:
             at = [j for j, _ in flips]
-            flip_valid(headers, slots[at], snap[at])
+            checked = snap[at]
+            # The parent the put names, as the index has it (a warm restart reads it back from here).
+            checked["parent"] = np.frombuffer(b"".join(evs[j].parent or EMPTY_KEY for j in at), dtype="V32")
+            flip_valid(headers, slots[at], checked)
             for _, entry in flips:
                 rt.finish(rt.cpu, entry)
             rt.counters.granted_puts += len(flips)

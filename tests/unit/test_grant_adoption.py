@@ -55,7 +55,9 @@ def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> No
         table.headers(0, table.n)["key"][filled[3].slot] = np.frombuffer(bytes(31) + b"\x09", dtype="V32")[0]
         mixed = Store("s", Tier.CPU, bytes(31) + b"\x09", None, w.seg.name, filled[3].slot, filled[3].gen, True)
         before = table.headers(0, table.n).copy()
-        stores = [Store("s", Tier.CPU, b.key, b.parent, w.seg.name, b.slot, b.gen, True) for b in filled[:3]]
+        # The put names parents; the first block's header says none: the put's word is kept, as the index's.
+        stores = [Store("s", Tier.CPU, b.key, keys[i - 1] if i else b"\x07" * 32, w.seg.name, b.slot, b.gen, True)
+                  for i, b in enumerate(filled[:3])]
         free = next(s for s in range(table.n) if s not in {b.slot for b in filled} and before["flags"][s] == 0)
         bad = [mixed,
                Store("s", Tier.CPU, keys[4], keys[3], w.seg.name, free, 2, True),  # never granted to it
@@ -65,7 +67,8 @@ def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> No
         for (o, why), b in zip(got[:3], filled[:3]):
             assert isinstance(o.fact, Stored) and o.fact.slot == b.slot and why == ""
             h = table.header(b.slot)
-            assert (h.flags, h.gen, h.key) == (Flags.VALID, b.gen + 2, b.key)
+            ev = stores[filled.index(b)]
+            assert (h.flags, h.gen, h.key, h.parent_key) == (Flags.VALID, b.gen + 2, b.key, ev.parent)
             out = np.empty(bb, dtype=np.uint8)
             assert table.read_into(b.slot, b.key, out) is not None and np.array_equal(out, rows[filled.index(b)])
             assert rt.cpu.index.get(b.key) is not None
