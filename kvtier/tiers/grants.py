@@ -3,7 +3,8 @@
 A client with a grant writes its block straight into the final arena slot (kvtier/shm/grant_ring.py
 has the ring that carries grants to it): one pass over the bytes, where staging costs two, and
 the daemon never touches the payload. Its put names the slot; the cpu worker checks the header
-(READY, key, gen, length) and flips it to VALID (`adopt`). Readers verify the checksum the client
+(READY, key, gen, length, and the tag that binds the key to the checksum) and flips it to
+VALID, a batch's blocks together (`adopt_many`). Readers verify the checksum the client
 wrote, as they verify every block, so a client that lies or keeps writing costs its own block (a
 miss), never another's bytes.
 
@@ -122,7 +123,8 @@ class GrantBook:
         slots = np.where(inside, slots, 0)
         headers = table.headers(0, table.n)
         snap = headers[slots]  # a copy: the headers as the client left them
-        gens = np.fromiter((ev.gen for ev in evs), dtype=np.uint64, count=len(evs))
+        # A gen no write leaves (negative, or past 63 bits) reads as odd: not written whole.
+        gens = np.fromiter((ev.gen if 0 <= ev.gen < 1 << 63 else 1 for ev in evs), dtype=np.uint64, count=len(evs))
         keys = np.frombuffer(b"".join(ev.key for ev in evs), dtype="V32")
         ok = ((snap["magic"] == SLOT_MAGIC) & (snap["flags"] == Flags.READY) & (snap["gen"] == gens)
               & (gens % 2 == 0) & (snap["key"] == keys) & (snap["length"] == bb)).tolist()

@@ -82,6 +82,12 @@ def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> No
 
         again = book.adopt_many(rt, stores[:1])  # a redelivery: where it is, nothing moved
         assert isinstance(again[0][0].fact, Stored) and again[0][0].count is None and rt.counters.granted_puts == 3
+        # A gen no write leaves (a forged command's): refused, its grant emptied, the batch goes on.
+        last = filled[4]  # written whole, never named by a put yet
+        forged = Store("s", Tier.CPU, last.key, keys[3], w.seg.name, last.slot, -2, True)
+        [(o, _)] = book.adopt_many(rt, [forged])
+        assert isinstance(o.fact, Removed) and o.fact.why is Failure.VERIFY
+        assert table.header(last.slot).flags == Flags.EMPTY
     finally:
         w.close(leave_uncounted=False)
         staging.close()
