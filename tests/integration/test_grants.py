@@ -59,6 +59,20 @@ async def read_back(client: Client, keys: list[bytes], kv: torch.Tensor) -> bool
     return await client.get("t", keys, out) == len(keys) and same_bytes(out, kv)
 
 
+async def take_granted(client: Client, keys: list[bytes], chain: int) -> StagedBlock:
+    """A granted arena slot taken for keys[0] by hand (the client's own put path would fill it):
+    while the client holds no grant, it puts a block of chain `chain`, `chain + 1`, ... so that
+    the daemon tops its grants up."""
+    w = client.pool("t").stager()
+    for i in range(200):
+        taken = w.take_slots(keys, None)
+        if taken and taken[0].granted:
+            return taken[0]
+        w.unstage(taken)
+        await put_chain(client, chain + i, 1)
+    pytest.fail("the client was granted no slot")
+
+
 def arena_headers(client: Client) -> np.ndarray:
     arena = client.pool("t").arena
     return arena.headers(0, arena.n).copy()
@@ -111,15 +125,7 @@ async def test_a_put_that_names_a_slot_not_granted_to_it_or_lies_about_its_check
         # A granted block whose header checksum lies: adopted (the daemon never reads the
         # payload), but every read verifies, so it is a miss, never these bytes.
         liar = keys_for(b, 4, 1)
-        for _ in range(200):
-            taken = wb.take_slots(liar, None)
-            if taken and taken[0].granted:
-                break
-            wb.unstage(taken)
-            await put_chain(b, 5 + _, 1)
-        else:
-            pytest.fail("b was granted no slot")
-        blk = taken[0]
+        blk = await take_granted(b, liar, 5)
         row = host_rows(make_kv(1, seed=77), 1)[0]
         arena = wb.arena
         assert arena is not None
@@ -145,15 +151,7 @@ async def test_a_granted_header_mixed_from_two_writers_is_refused_never_read_as_
         await put_chain(b, 2, 4)  # b's segment is known to the daemon, and granted slots
         wb = b.pool("t").stager()
         mine, theirs = keys_for(b, 8, 1), keys_for(b, 9, 1)
-        for i in range(200):
-            taken = wb.take_slots(mine, None)
-            if taken and taken[0].granted:
-                break
-            wb.unstage(taken)
-            await put_chain(b, 10 + i, 1)
-        else:
-            pytest.fail("b was granted no slot")
-        blk, arena = taken[0], wb.arena
+        blk, arena = await take_granted(b, mine, 10), wb.arena
         assert arena is not None
         # The other writer's block, whole, under its key; then this writer's key lands on top.
         gen = arena.write_reserved(blk.slot, blk.gen, theirs[0], host_rows(make_kv(1, seed=91), 1)[0], Flags.READY)

@@ -11,41 +11,23 @@ emptied; a redelivery is reported where it is. Slots outside the batch are not t
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 
 import numpy as np
-import structlog
 
-from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Failure, Removed, Store, Stored, Tier
-from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.shm.slots import Flags
-from kvtier.shm.staging import StagingWriter
-from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.grants import GrantBook
-
-
-async def _no_room(rt) -> bool:
-    return False
+from tests.support.grant_pool import grant_pool, no_room
 
 
 def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> None:
-    log = structlog.wrap_logger(structlog.PrintLogger(open(os.devnull, "w")))  # noqa: SIM115
-    node = f"test-adopt-{uuid.uuid4().hex[:6]}"
-    cfg = PoolConfig(name="s", model="m", layers=1, kv_heads=1, head_dim=64, block_tokens=16, dtype="float16",
-                     device="cpu", gpu_blocks=0, cpu_blocks=512)
-    rt = open_pool(cfg, node, PolicyConfig(), None, RedisConfig(), None, log)
-    staging = StagingSegments(node, log)
-    w = StagingWriter.create(node, 4, rt.layout.block_bytes, rt.layout.fingerprint, daemon_uid=os.geteuid(),
-                             shm_gid=None, arena=rt.cpu.table)
-    try:
+    with grant_pool("test-adopt") as (rt, staging, w, log):
         bb, table = rt.layout.block_bytes, rt.cpu.table
         book = GrantBook({"s": rt}, staging, 5, log)  # the five the client takes: no other slot is granted
         assert book.client_cap(rt) == 5 and GrantBook({"s": rt}, staging, 5, log, 3 * bb).client_cap(rt) == 3
         book.renew(sorted(staging.present()))
         book.want("s", w.seg.name)
-        assert asyncio.run(book.top_up(_no_room)) == 5
+        assert asyncio.run(book.top_up(no_room)) == 5
         keys = [bytes([i + 1]) * 32 for i in range(5)]
         taken = w.take_slots(keys, None)
         assert [b.granted for b in taken] == [True] * 5
@@ -88,7 +70,3 @@ def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> No
         [(o, _)] = book.adopt_many(rt, [forged])
         assert isinstance(o.fact, Removed) and o.fact.why is Failure.VERIFY
         assert table.header(last.slot).flags == Flags.EMPTY
-    finally:
-        w.close(leave_uncounted=False)
-        staging.close()
-        close_pool(rt, persist_arena=False)

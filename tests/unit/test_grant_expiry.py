@@ -9,41 +9,22 @@ client's own use-by (GRANT_USE_S after it took it); a client that goes is forgot
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 
-import structlog
-
-from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
 from kvtier.core.events import Tier
-from kvtier.daemon.pools import close_pool, open_pool
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, GRANT_USE_S
 from kvtier.shm.slots import Flags
-from kvtier.shm.staging import StagingWriter
-from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.grants import GrantBook
-
-
-async def _no_room(rt) -> bool:
-    return False
+from tests.support.grant_pool import grant_pool, no_room
 
 
 def test_grants_expire_only_once_taken_and_after_the_clients_use_by() -> None:
     assert GRANT_EXPIRE_S > GRANT_USE_S + 10  # room for a write that started at the use-by
-    log = structlog.wrap_logger(structlog.PrintLogger(open(os.devnull, "w")))  # noqa: SIM115
-    node = f"test-exp-{uuid.uuid4().hex[:6]}"
-    cfg = PoolConfig(name="s", model="m", layers=1, kv_heads=1, head_dim=64, block_tokens=16, dtype="float16",
-                     device="cpu", gpu_blocks=0, cpu_blocks=512)
-    rt = open_pool(cfg, node, PolicyConfig(), None, RedisConfig(), None, log)
-    staging = StagingSegments(node, log)
-    w = StagingWriter.create(node, 4, rt.layout.block_bytes, rt.layout.fingerprint, daemon_uid=os.geteuid(),
-                             shm_gid=None, arena=rt.cpu.table)
-    try:
+    with grant_pool("test-exp") as (rt, staging, w, log):
         idx = rt.placement.tiers[Tier.CPU]
         book = GrantBook({"s": rt}, staging, 4, log)
         book.renew(sorted(staging.present()))
         book.want("s", w.seg.name)
-        assert asyncio.run(book.top_up(_no_room)) == 4 and idx.granted == 4
+        assert asyncio.run(book.top_up(no_room)) == 4 and idx.granted == 4
         t0 = 1000.0
         assert book.expire(t0 + 10 * GRANT_EXPIRE_S) == 0  # all still in the ring: the client's to take
         keys = [bytes([i]) * 32 for i in range(2)]
@@ -58,10 +39,6 @@ def test_grants_expire_only_once_taken_and_after_the_clients_use_by() -> None:
             h = rt.cpu.table.header(b.slot)
             assert h.flags == Flags.EMPTY and h.gen % 2 == 0
         book.want("s", w.seg.name)  # granted again; then the client goes, and they come back
-        assert asyncio.run(book.top_up(_no_room)) == 4 and idx.granted == 4
+        assert asyncio.run(book.top_up(no_room)) == 4 and idx.granted == 4
         book.forget(w.seg.name)
         assert idx.granted == 0 and rt.counters.grants_reclaimed == 8
-    finally:
-        w.close(leave_uncounted=False)
-        staging.close()
-        close_pool(rt, persist_arena=False)
