@@ -40,7 +40,10 @@ class Tier(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return _TIER_LABELS[self]  # (not self.name.lower(): the enum's name property is slow on hot paths)
+
+
+_TIER_LABELS = tuple(t.name.lower() for t in Tier)
 
 
 class Cause(enum.StrEnum):

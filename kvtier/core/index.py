@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, KeysView
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
@@ -81,6 +81,12 @@ class TierIndex:
 
     def get(self, key: BlockKey) -> Entry | None:
         return self._entries.get(key)
+
+    def absent(self, keys: KeysView[BlockKey]) -> int:
+        """How many of `keys` this index holds no entry for. An intersection of the two views
+        (it walks the smaller in C), not a Python loop: it runs on every put, over every block
+        in flight; nor a difference, which walks the whole index."""
+        return len(keys) - len(keys & self._entries.keys())
 
     @property
     def used(self) -> int:

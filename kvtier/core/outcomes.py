@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvtier.core.events import Cause, Copy, Demote, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.eviction import REFUSED, Verdict
@@ -57,6 +58,7 @@ class Count(enum.StrEnum):
 
 
 MOVED_IN = frozenset({Count.STORED, Count.PROMOTED_IN, Count.DEMOTED_IN, Count.COPIED_IN})  # a block's bytes came in
+_CAUSE_OF = MappingProxyType({c.value: c for c in Cause})  # a command's TYPE -> its Cause (Cause(...) is slow)
 _MOVED_BY = {Cause.STORE: Count.STORED, Cause.PROMOTE: Count.PROMOTED_IN, Cause.DEMOTE: Count.DEMOTED_IN,
              Cause.COPY: Count.COPIED_IN}
 
@@ -79,7 +81,7 @@ class Outcome:
 def stored(ev: Received, tier: Tier, slot: int) -> Outcome:
     """`ev` completed: its block is in `tier` at `slot` (-1 in Redis). Written to Redis, or read
     back from there, the block is held in Redis."""
-    cause = Cause(ev.TYPE)
+    cause = _CAUSE_OF[ev.TYPE]
     in_redis = tier is Tier.REDIS or (not isinstance(ev, Store) and ev.src is Tier.REDIS)
     return Outcome(Stored(ev.pool, ev.key, ev.parent, tier, slot, cause), _MOVED_BY[cause], in_redis or None)
 
@@ -88,7 +90,7 @@ def failed(ev: Received, tier: Tier, why: Failure) -> Outcome:
     """`ev` did not complete, for `why`. A store's failure loses the client's put; a promote that
     found no valid copy in Redis means Redis no longer holds the block."""
     gone = not isinstance(ev, Store) and ev.src is Tier.REDIS and why is Failure.SOURCE_MISS
-    return Outcome(Removed(ev.pool, ev.key, tier, Cause(ev.TYPE), why), Count.FAILED, False if gone else None,
+    return Outcome(Removed(ev.pool, ev.key, tier, _CAUSE_OF[ev.TYPE], why), Count.FAILED, False if gone else None,
                    dropped=isinstance(ev, Store))
 
 
@@ -102,7 +104,7 @@ def held(res: Residency, ev: Received, tier: Tier) -> Outcome | None:
     e = res.tiers[tier].get(ev.key)
     if e is None:
         return None
-    return Outcome(Stored(ev.pool, ev.key, ev.parent, tier, e.slot, Cause(ev.TYPE)))
+    return Outcome(Stored(ev.pool, ev.key, ev.parent, tier, e.slot, _CAUSE_OF[ev.TYPE]))
 
 
 def read(ev: Received, tier: Tier, got: object) -> Outcome | None:

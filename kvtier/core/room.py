@@ -11,7 +11,7 @@ A session-pinned block (core/pins.py) is a victim only where a tier below on the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, KeysView
 
 from kvtier.core.events import Tier
 from kvtier.core.index import Entry, TierIndex
@@ -65,6 +65,9 @@ class InFlight:
     def __contains__(self, key: object) -> bool:
         return key in self._until
 
+    def keys(self) -> KeysView[BlockKey]:
+        return self._until.keys()
+
     def __iter__(self) -> Iterator[BlockKey]:
         return iter(self._until)
 
@@ -107,8 +110,7 @@ class Room(Residency):
     def incoming(self, t: Tier) -> int:
         """Blocks on their way into `t` that its index does not hold yet. (Once the worker has
         reserved a slot the block counts in the index; counting it here too would double it.)"""
-        idx = self.tiers[t]
-        return sum(1 for k in self._incoming[t] if idx.get(k) is None)
+        return self.tiers[t].absent(self._incoming[t].keys())
 
     def room(self, t: Tier) -> int:
         idx = self.tiers[t]

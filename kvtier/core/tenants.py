@@ -83,7 +83,10 @@ class TenantUsage:
         self._owner.pop(key, None)
 
     def added(self, t: Tier, key: BlockKey) -> None:
-        self.blocks.setdefault(t, Counter())[self.owner(key)] += 1
+        counts = self.blocks.get(t)
+        if counts is None:  # (not setdefault: it would build a Counter on every block stored)
+            counts = self.blocks[t] = Counter()
+        counts[self._owner.get(key, "")] += 1
 
     def removed(self, t: Tier, key: BlockKey, evicted: bool) -> None:
         counts = self.blocks.get(t)

@@ -12,6 +12,7 @@ import os
 import secrets
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +66,9 @@ class StagingWriter:
         self.arena = arena
         self._ring = GrantRing(table.seg.buf)
         self.grant_epoch = 0
-        self._grants: list[tuple[int, float]] = []  # (slot, when it was taken from the ring)
+        # (slot, when it was taken from the ring), oldest first: used in that order, so that none
+        # waits in stock until its use-by while newer ones go first.
+        self._grants: deque[tuple[int, float]] = deque()
         self._granted_of: dict[bytes, int] = {}  # key -> the granted slot it was written in (a hint)
 
     @classmethod
@@ -114,11 +117,13 @@ class StagingWriter:
             self._granted_of.clear()
             self.grant_epoch = epoch
         now = time.monotonic()
-        self._grants = [g for g in self._grants if now - g[1] < GRANT_USE_S]  # older: the daemon takes them back
-        self._grants.extend((s, now) for s in fresh if 0 <= s < self.arena.n)
+        grants = self._grants
+        while grants and now - grants[0][1] >= GRANT_USE_S:  # too old to start a write in: the daemon takes it back
+            grants.popleft()
+        grants.extend((s, now) for s in fresh if 0 <= s < self.arena.n)
         taken = []
-        for key in keys[:len(self._grants)]:
-            slot = self._grants.pop()[0]
+        for key in keys[:len(grants)]:
+            slot = grants.popleft()[0]
             taken.append(StagedBlock(key, parent, slot, self.arena.begin_write(slot), granted=True))
             parent = key
         return taken
@@ -191,10 +196,12 @@ class StagingWriter:
     def _free_slots(self, most: int) -> list[int]:
         """Up to `most` free slots (EMPTY, even gen), from the cursor on: one vectorised scan of
         the headers rather than a Python loop per slot."""
+        if most <= 0:  # a put wholly into granted slots: no scan
+            return []
         table = self.table
         h = table.headers(0, table.n)
         free = np.flatnonzero((h["flags"] == Flags.EMPTY) & (h["gen"] % 2 == 0))
-        if not free.size or most <= 0:
+        if not free.size:
             return []
         start = int(np.searchsorted(free, self._cursor % table.n))
         picked: list[int] = np.concatenate((free[start:], free[:start]))[:most].tolist()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,15 @@ class Held:
     pool: str
     head: int  # the ring's head, as this daemon wrote it
     slots: dict[int, Mark] = field(default_factory=dict)  # granted, not adopted or taken back yet
+    # The sweep's queues, so that it walks only what changed since the last one, not every grant
+    # held: pushed grants in ring order, not yet seen taken; and those seen taken, oldest first.
+    # An entry whose grant has gone since (adopted, taken back) is dropped when the sweep meets it.
+    in_ring: deque[tuple[int, Mark]] = field(default_factory=deque)
+    taken: deque[tuple[int, Mark]] = field(default_factory=deque)
+
+    def holds(self, slot: int, mark: Mark) -> bool:
+        """Whether this very grant (not one the slot had before or since) is still held."""
+        return self.slots.get(slot) is mark
 
 
 class GrantBook:
@@ -131,6 +141,7 @@ class GrantBook:
         csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
         out: list[tuple[Outcome, str]] = []
         flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry), made VALID below
+        segments: set[str] = set()  # those that used a grant: topped up at the next flush
         for j, ev in enumerate(evs):
             if not inside[j]:
                 out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} outside the arena"))
@@ -142,8 +153,8 @@ class GrantBook:
             if not self.take(rt.name, ev.segment, ev.slot):
                 out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} not granted to {ev.segment}"))
                 continue
-            self.want(rt.name, ev.segment)
-            if (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
+            segments.add(ev.segment)
+            if e is not None and (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
                 self.release(rt, ev.slot)
                 out.append((here, ""))
                 continue
@@ -155,6 +166,8 @@ class GrantBook:
                 continue
             flips.append((j, entry))
             out.append((stored(ev, Tier.CPU, ev.slot), ""))
+        for segment in segments:
+            self.want(rt.name, segment)
         if flips:
             at = [j for j, _ in flips]
             checked = snap[at]
@@ -197,7 +210,9 @@ class GrantBook:
                         rt.placement.ungrant(Tier.CPU, slot)
                     continue
                 # Booked first: a push that fails leaves them to `forget`.
-                h.slots.update((s, Mark(h.head + i)) for i, s in enumerate(slots))
+                marks = [(s, Mark(h.head + i)) for i, s in enumerate(slots)]
+                h.slots.update(marks)
+                h.in_ring.extend(marks)
                 if slots:
                     h.head = ring.push(h.head, slots)
                 total += len(slots)
@@ -234,11 +249,16 @@ class GrantBook:
             if st is None:
                 continue
             tail = st[3]  # the client's word: a tail pushed ahead only expires its own grants sooner
+            held, in_ring, taken = h.slots, h.in_ring, h.taken
+            while in_ring and in_ring[0][1].pos < tail:  # taken since the last sweep: its time starts now
+                slot, mark = in_ring.popleft()
+                if held.get(slot) is mark:  # this very grant, still held (see `Held.holds`)
+                    mark.taken_at = now
+                    taken.append((slot, mark))
             old = []
-            for slot, mark in h.slots.items():
-                if mark.taken_at is None and mark.pos < tail:
-                    mark.taken_at = now  # taken since the last sweep: its time starts now
-                elif mark.taken_at is not None and now - mark.taken_at > GRANT_EXPIRE_S:
+            while taken and (not h.holds(*taken[0]) or now - (taken[0][1].taken_at or now) > GRANT_EXPIRE_S):
+                slot, mark = taken.popleft()
+                if held.get(slot) is mark:
                     old.append(slot)
             for slot in old:
                 self.take(h.pool, segment, slot)

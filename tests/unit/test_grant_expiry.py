@@ -42,3 +42,32 @@ def test_grants_expire_only_once_taken_and_after_the_clients_use_by() -> None:
         assert asyncio.run(book.top_up(no_room)) == 4 and idx.granted == 4
         book.forget(w.seg.name)
         assert idx.granted == 0 and rt.counters.grants_reclaimed == 8
+
+
+def test_a_slot_given_back_and_granted_anew_expires_on_its_new_grants_time_not_the_old_ones() -> None:
+    """The sweep keeps queues of grants in ring order and in the order it saw them taken, and
+    drops an entry whose grant went since (kvtier/tiers/grants.py `Held`): a slot given back and
+    granted again must not inherit the old grant's clock."""
+    with grant_pool("test-exp-again") as (rt, staging, w, log):
+        idx = rt.placement.tiers[Tier.CPU]
+        book = GrantBook({"s": rt}, staging, 4, log)
+        book.renew(sorted(staging.present()))
+        book.want("s", w.seg.name)
+        assert asyncio.run(book.top_up(no_room)) == 4
+        first = w.take_slots([bytes([i]) * 32 for i in range(4)], None)
+        assert all(b.granted for b in first)
+        t0 = 1000.0
+        assert book.expire(t0) == 0  # all four seen taken at t0
+        gone = first[:2]
+        for b in gone:  # a put of a block already here hands its slot back
+            assert book.give_back(rt, w.seg.name, b.slot)
+        w.unstage(first)
+        assert asyncio.run(book.top_up(no_room)) == 2 and idx.granted == 4
+        again = w.take_slots([bytes([10 + i]) * 32 for i in range(2)], None)
+        assert all(b.granted for b in again)
+        assert book.expire(t0 + GRANT_EXPIRE_S - 1) == 0  # the new two seen taken now
+        assert book.expire(t0 + GRANT_EXPIRE_S + 1) == 2  # only the two left from t0
+        assert idx.granted == 2
+        assert book.expire(t0 + 2 * GRANT_EXPIRE_S - 2) == 0
+        assert book.expire(t0 + 2 * GRANT_EXPIRE_S) == 2  # the new two, on their own clock
+        assert idx.granted == 0
