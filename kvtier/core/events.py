@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from itertools import groupby
+from types import MappingProxyType
 from typing import ClassVar, NewType, cast
 
 from kvtier.keys import BlockKey
@@ -40,10 +41,10 @@ class Tier(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return _TIER_LABELS[self]  # (not self.name.lower(): the enum's name property is slow on hot paths)
+        return _TIER_LABELS[self]  # (not self.name.lower(): the enum's name property is slow on a hot path)
 
 
-_TIER_LABELS = tuple(t.name.lower() for t in Tier)
+_TIER_LABELS = MappingProxyType({t: t.name.lower() for t in Tier})
 
 
 class Cause(enum.StrEnum):

@@ -34,7 +34,7 @@ from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
 from kvtier.logs import Log
 from kvtier.shm.flips import flip_valid
-from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RingFile
+from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RING, RingFile
 from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, key_tag
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
@@ -46,10 +46,11 @@ CLIENT_SHARE = 16  # ... and one client's at most a sixteenth, so others get the
 GRANT_MIN_SLOTS = 256
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Mark:
+    """One grant of a slot (compared by identity: the slot may be granted again later)."""
+
     pos: int  # the grant's position in the client's ring
-    taken_at: float | None = None  # when this daemon first saw the client's tail past it
 
 
 @dataclass(slots=True)
@@ -57,15 +58,26 @@ class Held:
     pool: str
     head: int  # the ring's head, as this daemon wrote it
     slots: dict[int, Mark] = field(default_factory=dict)  # granted, not adopted or taken back yet
-    # The sweep's queues, so that it walks only what changed since the last one, not every grant
-    # held: pushed grants in ring order, not yet seen taken; and those seen taken, oldest first.
-    # An entry whose grant has gone since (adopted, taken back) is dropped when the sweep meets it.
+    # The sweep's queues, so that it walks what changed since the last one, not every grant held:
+    # grants pushed, in ring order, not yet seen taken; and (when first seen taken, slot, grant),
+    # oldest first. An entry whose grant has gone since (adopted, taken back) is dropped when the
+    # sweep meets it, or when its queue outgrows what is held (`compact`).
     in_ring: deque[tuple[int, Mark]] = field(default_factory=deque)
-    taken: deque[tuple[int, Mark]] = field(default_factory=deque)
+    taken: deque[tuple[float, int, Mark]] = field(default_factory=deque)
 
     def holds(self, slot: int, mark: Mark) -> bool:
         """Whether this very grant (not one the slot had before or since) is still held."""
         return self.slots.get(slot) is mark
+
+    def compact(self) -> None:
+        """Drop the gone grants' entries once a queue holds far more than is held: the tail the
+        sweep goes by is the client's word, and a client that never moves it past its adopted
+        grants must not grow the queue without bound."""
+        bound = 2 * (RING + len(self.slots))
+        if len(self.in_ring) > bound:
+            self.in_ring = deque(x for x in self.in_ring if self.holds(*x))
+        if len(self.taken) > bound:
+            self.taken = deque(x for x in self.taken if self.holds(x[1], x[2]))
 
 
 class GrantBook:
@@ -141,7 +153,7 @@ class GrantBook:
         csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
         out: list[tuple[Outcome, str]] = []
         flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry), made VALID below
-        segments: set[str] = set()  # those that used a grant: topped up at the next flush
+        segments: dict[str, None] = {}  # those that used a grant, in batch order: topped up at the next flush
         for j, ev in enumerate(evs):
             if not inside[j]:
                 out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} outside the arena"))
@@ -153,7 +165,7 @@ class GrantBook:
             if not self.take(rt.name, ev.segment, ev.slot):
                 out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} not granted to {ev.segment}"))
                 continue
-            segments.add(ev.segment)
+            segments[ev.segment] = None
             if e is not None and (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
                 self.release(rt, ev.slot)
                 out.append((here, ""))
@@ -212,9 +224,10 @@ class GrantBook:
                 # Booked first: a push that fails leaves them to `forget`.
                 marks = [(s, Mark(h.head + i)) for i, s in enumerate(slots)]
                 h.slots.update(marks)
-                h.in_ring.extend(marks)
                 if slots:
                     h.head = ring.push(h.head, slots)
+                    h.in_ring.extend(marks)  # only once pushed: a failed push's positions come again
+                    h.compact()
                 total += len(slots)
             except (SegmentError, OSError) as e:
                 self.log.warning("grants.top_up_failed", segment=segment, error=str(e))
@@ -238,7 +251,8 @@ class GrantBook:
         has named since (the client starts no write into one GRANT_USE_S after taking it:
         kvtier/shm/grant_ring.py). A grant still in the ring is the client's to take whenever it
         puts next, so it is left: an idle client's grants stay until it puts, dies or closes.
-        How many were taken back."""
+        `now` never goes back between sweeps (the queues are in its order). How many were taken
+        back."""
         now = time.monotonic() if now is None else now
         n = 0
         for segment, h in self._held.items():
@@ -249,17 +263,17 @@ class GrantBook:
             if st is None:
                 continue
             tail = st[3]  # the client's word: a tail pushed ahead only expires its own grants sooner
-            held, in_ring, taken = h.slots, h.in_ring, h.taken
+            in_ring, taken = h.in_ring, h.taken
             while in_ring and in_ring[0][1].pos < tail:  # taken since the last sweep: its time starts now
                 slot, mark = in_ring.popleft()
-                if held.get(slot) is mark:  # this very grant, still held (see `Held.holds`)
-                    mark.taken_at = now
-                    taken.append((slot, mark))
+                if h.holds(slot, mark):
+                    taken.append((now, slot, mark))
             old = []
-            while taken and (not h.holds(*taken[0]) or now - (taken[0][1].taken_at or now) > GRANT_EXPIRE_S):
-                slot, mark = taken.popleft()
-                if held.get(slot) is mark:
+            while taken and (now - taken[0][0] > GRANT_EXPIRE_S or not h.holds(taken[0][1], taken[0][2])):
+                _, slot, mark = taken.popleft()
+                if h.holds(slot, mark):
                     old.append(slot)
+            h.compact()
             for slot in old:
                 self.take(h.pool, segment, slot)
                 self.release(self.pools[h.pool], slot)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kvtier.core.events import Tier
-from kvtier.shm.grant_ring import GRANT_EXPIRE_S, GRANT_USE_S
+from kvtier.shm.grant_ring import GRANT_EXPIRE_S, GRANT_USE_S, RING
 from kvtier.shm.slots import Flags
 from kvtier.tiers.grants import GrantBook
 from tests.support.grant_pool import grant_pool, no_room
@@ -65,9 +65,32 @@ def test_a_slot_given_back_and_granted_anew_expires_on_its_new_grants_time_not_t
         assert asyncio.run(book.top_up(no_room)) == 2 and idx.granted == 4
         again = w.take_slots([bytes([10 + i]) * 32 for i in range(2)], None)
         assert all(b.granted for b in again)
+        assert {b.slot for b in again} == {b.slot for b in gone}  # the very slots, granted anew
         assert book.expire(t0 + GRANT_EXPIRE_S - 1) == 0  # the new two seen taken now
         assert book.expire(t0 + GRANT_EXPIRE_S + 1) == 2  # only the two left from t0
         assert idx.granted == 2
         assert book.expire(t0 + 2 * GRANT_EXPIRE_S - 2) == 0
         assert book.expire(t0 + 2 * GRANT_EXPIRE_S) == 2  # the new two, on their own clock
         assert idx.granted == 0
+
+
+def test_a_client_whose_tail_lies_does_not_grow_the_sweeps_queue_without_bound() -> None:
+    """The sweep goes by the client's tail, which is its word. A client that moves it up while
+    the daemon tops up (so its ring has room) and back down while it sweeps never lets the sweep
+    pass its grants; those handed back leave entries behind, and the queue is compacted to a few
+    times what is held (kvtier/tiers/grants.py `Held.compact`)."""
+    with grant_pool("test-exp-bound") as (rt, staging, w, log):
+        book = GrantBook({"s": rt}, staging, 4, log)
+        book.renew(sorted(staging.present()))
+        words = w._ring._words  # the client's end of the ring: base head epoch tail
+        for rounds in range(1, 301):
+            words[3] = words[1]  # "taken all": room for the next top-up
+            book.want("s", w.seg.name)
+            assert asyncio.run(book.top_up(no_room)) == 4
+            h = book._held[w.seg.name]
+            for slot in list(h.slots):  # each comes back unused (a put of a block already here)
+                assert book.give_back(rt, w.seg.name, slot)
+            words[3] = 0  # "taken none" while the daemon looks
+            assert book.expire(1000.0 + rounds) == 0
+        assert 300 * 4 > 2 * (RING + 4)  # more pushed than the bound, so the bound is what held
+        assert len(h.in_ring) <= 2 * (RING + len(h.slots)) and not h.slots
