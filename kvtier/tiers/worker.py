@@ -98,8 +98,7 @@ class TierWorker:
 
     def _buf(self, nbytes: int) -> np.ndarray:
         buf = self._scratch.get(nbytes)
-        if buf is None:
-            # Page-aligned: the disk tier's O_DIRECT I/O then goes straight to and from it.
+        if buf is None:  # page-aligned: the disk tier's O_DIRECT I/O then goes straight to and from it
             buf = self._scratch[nbytes] = aligned_empty(nbytes)
         return buf
 
@@ -136,10 +135,9 @@ class TierWorker:
         if not self.fence.stale(rt.name, ev.key, stamp):
             return False
         rt.counters.tiers[self.tier.label].stale += 1
-        if isinstance(ev, Store) and ev.granted:
-            if self.grants is not None:
-                self.grants.give_back(rt, ev.segment, ev.slot)
-        elif isinstance(ev, Store):
+        if isinstance(ev, Store) and ev.granted and self.grants is not None:
+            self.grants.give_back(rt, ev.segment, ev.slot)
+        elif isinstance(ev, Store) and not ev.granted:
             self.staging.release(ev.segment, rt.layout.block_bytes, ev.slot, ev.gen)
         self.log.info("tier.command_fenced", pool=rt.name, op=ev.TYPE, key=ev.key.hex()[:16],
                       epoch=stamp[0], seq=stamp[1])
@@ -150,7 +148,8 @@ class TierWorker:
 
     async def _adopt_granted(self, rt: PoolRuntime, cmds: list[Store], stamp: tuple[int, int]) -> list[Store]:
         """A batch's stores into granted cpu slots, adopted together (GrantBook.adopt_many), each
-        fenced and reported on its own. The batch's other stores (all, where no grants), for `_command`."""
+        fenced and reported on its own; then the client's ring refilled (per put: once a batch runs
+        dry while the client is puts ahead). The batch's other stores (all, where no grants), for `_command`."""
         if self.grants is None or rt.cpu.device_payload is not None:
             return cmds
         todo = [ev for ev in cmds if ev.granted and not self._fenced(rt, ev, stamp)]
@@ -161,6 +160,7 @@ class TierWorker:
             for ev, (outcome, detail) in zip(todo, self.grants.adopt_many(rt, todo)):
                 self.facts.report(rt, self.facts.settle(rt, outcome, ev, detail), t0)
             self._fences.extend((rt.name, ev.key, stamp) for ev in todo)
+            await self.grants.top_up(self._make_room)
         return [ev for ev in cmds if not ev.granted]
 
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
