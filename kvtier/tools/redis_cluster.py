@@ -28,6 +28,7 @@ NODE_TIMEOUT_MS = 1000
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 FORM_TIMEOUT_S = 30.0
+SLOTS = 16384
 
 
 def free_port() -> int:
@@ -137,7 +138,7 @@ class LocalCluster:
             n.start()
         if self.masters_count == 1:
             with self.nodes[0].client() as c:
-                c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, SLOTS - 1)
         else:
             cli = shutil.which("redis-cli")
             if cli is None:
@@ -151,17 +152,25 @@ class LocalCluster:
         wait_for(self.healthy, "cluster_state:ok on every node", FORM_TIMEOUT_S)
 
     def healthy(self) -> bool:
-        """Every running node says cluster_state:ok and knows every other running node."""
+        """Every running node says cluster_state:ok, knows every other running node, and maps
+        every slot to the same masters as the others. (With cluster-require-full-coverage off a
+        node says ok while slots it has not heard of yet are unmapped: a client that starts from
+        its map then misses a master.)"""
+        maps = set()
         for n in self.nodes:
             if not n.running:
                 continue
             with n.client() as c:
                 info = c.execute_command("CLUSTER", "INFO").decode()
+                ranges = c.execute_command("CLUSTER", "SLOTS")
             if "cluster_state:ok" not in info:
                 return False
             if int(info.split("cluster_known_nodes:")[1].split()[0]) < sum(m.running for m in self.nodes):
                 return False
-        return True
+            if sum(int(r[1]) - int(r[0]) + 1 for r in ranges) != SLOTS:
+                return False
+            maps.add(frozenset((int(r[0]), int(r[1]), int(r[2][1])) for r in ranges))  # (first, last, master's port)
+        return len(maps) <= 1
 
     def masters(self) -> list[ClusterNode]:
         return [n for n in self.nodes if n.running and n.role() == "master"]
