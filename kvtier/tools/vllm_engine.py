@@ -153,10 +153,15 @@ def serve(args: argparse.Namespace) -> None:
                 res["logprobs"] = [float(step[t].logprob) for t, step in zip(o.token_ids, o.logprobs)]
             results.append(res)
         answer("KVTIER-RESULT " + json.dumps(results if "batch" in req else results[0]))
+    # vLLM's own exit path force-kills the engine core 5 s after asking it to stop, and its worker
+    # alone may take that long on a busy host: the connector's scheduler half, which logs its
+    # counts last, would die unlogged. Stop it here with room to finish.
+    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_S)
 
 
 ENGINE_START_S = 180.0  # a cold start on 2 busy cores; about 20 s when the machine is idle
 REQUEST_S = 60.0
+ENGINE_STOP_S = 30.0  # an engine's orderly stop (about 3 s when idle); EngineProcess.stop waits longer
 
 
 def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extra) -> dict:

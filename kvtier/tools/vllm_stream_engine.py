@@ -19,7 +19,7 @@ import json
 import sys
 import time
 
-from kvtier.tools.vllm_engine import answer_channel
+from kvtier.tools.vllm_engine import ENGINE_STOP_S, answer_channel
 
 
 async def _stream(engine, rid: str, prompt: list[int], max_tokens: int, times: list[float], out: dict) -> None:
@@ -95,7 +95,7 @@ async def serve(args: argparse.Namespace) -> None:
             res = await (_prime(engine, job["prime"], seq) if "prime" in job else _burst(engine, job, seq))
             answer("KVTIER-RESULT " + json.dumps(res))
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_STOP_S)  # room for the connector to log its counts (vllm_engine.serve)
 
 
 def main(argv: list[str] | None = None) -> None:
