@@ -12,6 +12,13 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_BIN   = $(SGLANG_VENV)/bin
 SGLANG_STAMP = $(SGLANG_VENV)/.kvtier-installed
 
+# Each suite runs its test files on this many pytest-xdist workers, a file's tests on one worker
+# (module fixtures are shared within a file), files with a slow test first (tests/conftest.py):
+# alone, the engine tests leave a core idle while an engine imports, and the main suite's
+# daemons wait on each other.
+TEST_WORKERS ?= 2
+PYTEST      = pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 .PHONY: run test test-vllm test-sglang check setup setup-vllm setup-sglang redis-server test-tools clean
 
 run: $(STAMP) redis-server
@@ -21,23 +28,23 @@ run: $(STAMP) redis-server
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) redis-server test-tools
 	@status=0; \
 	scripts/check-code.sh $(VENV) || status=1; \
-	echo "$(BIN)/python -m pytest -q"; $(BIN)/python -m pytest -q || status=1; \
-	echo "$(VLLM_BIN)/python -m pytest -q tests/vllm"; $(VLLM_BIN)/python -m pytest -q tests/vllm || status=1; \
-	echo "$(SGLANG_BIN)/python -m pytest -q tests/sglang"; $(SGLANG_BIN)/python -m pytest -q tests/sglang || status=1; \
+	echo "$(BIN)/python -m $(PYTEST)"; $(BIN)/python -m $(PYTEST) || status=1; \
+	echo "$(VLLM_BIN)/python -m $(PYTEST) tests/vllm"; $(VLLM_BIN)/python -m $(PYTEST) tests/vllm || status=1; \
+	echo "$(SGLANG_BIN)/python -m $(PYTEST) tests/sglang"; $(SGLANG_BIN)/python -m $(PYTEST) tests/sglang || status=1; \
 	exit $$status
 
 check: $(STAMP)
 	scripts/check-code.sh $(VENV)
 
 test-vllm: $(VLLM_STAMP) redis-server test-tools
-	$(VLLM_BIN)/python -m pytest -q tests/vllm
+	$(VLLM_BIN)/python -m $(PYTEST) tests/vllm
 
 setup: $(STAMP) redis-server
 
 setup-vllm: $(VLLM_STAMP) redis-server
 
 test-sglang: $(SGLANG_STAMP) redis-server test-tools
-	$(SGLANG_BIN)/python -m pytest -q tests/sglang
+	$(SGLANG_BIN)/python -m $(PYTEST) tests/sglang
 
 setup-sglang: $(SGLANG_STAMP) redis-server
 

@@ -60,6 +60,7 @@ def settled(d) -> bool:
     return (not staging_segments(d.node) and p.get("grants_held") == 0 and (p.get("pins") or {}).get("blocks") == 0)
 
 
+@pytest.mark.slow
 async def test_a_hundred_killed_clients_leak_nothing_and_no_block_read_is_wrong(daemon_factory, tmp_path):
     d = daemon_factory(gpu=0, cpu=CPU, extra=WRITE_THROUGH)
     pid = d.proc.pid

@@ -53,6 +53,7 @@ cpu_blocks = 24
 """
 
 
+@pytest.mark.slow
 def test_demo_moves_blocks_between_tiers_and_reads_no_wrong_bytes(tmp_path):
     # Small tiers, so that even a slow (loaded) machine pushes blocks all the way down in 12 s
     # (client start-up and torch imports included).

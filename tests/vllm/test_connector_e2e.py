@@ -22,7 +22,7 @@ from kvtier.tools.vllm_engine import EngineProcess, make_model
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config
 
-pytestmark = pytest.mark.timeout(900)  # the module's fixtures start five engines
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the module's fixtures start five engines
 
 P1, P2, P3, Q1 = PROMPTS["P1"], PROMPTS["P2"], PROMPTS["P3"], PROMPTS["Q1"]
 R = Q1[:10 * BS] + PROMPTS["Q2"][:40]  # Q1's first 10 blocks and another tail

@@ -39,7 +39,7 @@ POOL_EAGLE = "tiny-eagle"  # the target's 2 layers and the EAGLE drafter's 1, in
 POOL_MLA = "tiny-mla"  # 2 layers of one 576-float latent per token, 16-token blocks: head_dim 288 gives the bytes
 MLA_BS = 16
 
-pytestmark = pytest.mark.timeout(900)  # four engine starts
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # four engine starts
 
 P1, Q1, Q2 = PROMPTS["P1"], PROMPTS["Q1"], PROMPTS["Q2"]
 

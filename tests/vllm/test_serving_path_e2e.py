@@ -25,7 +25,7 @@ from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, POOL, connector_config
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 _rng = random.Random(29)
 
