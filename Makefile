@@ -13,9 +13,9 @@ SGLANG_BIN   = $(SGLANG_VENV)/bin
 SGLANG_STAMP = $(SGLANG_VENV)/.kvtier-installed
 
 # Each suite runs its test files on this many pytest-xdist workers, a file's tests on one worker
-# (module fixtures are shared within a file), files with a slow test first (tests/conftest.py):
-# alone, the engine tests leave a core idle while an engine imports, and the main suite's
-# daemons wait on each other.
+# (module fixtures are shared within a file), files with a slow test first (tests/conftest.py).
+# On one worker the vLLM suite left half the CPU idle (an engine starts one process at a time)
+# and the main suite took 2.3 times as long: its tests mostly wait on daemons and Redis.
 TEST_WORKERS ?= 2
 PYTEST      = pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
