@@ -128,14 +128,18 @@ class Placement(Promotion):
         self._expire(now)
         fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
         placed: dict[BlockKey, Tier] = {}  # the granted ones, in their cpu slots already
+        # (The local tiers unrolled: this runs for every block put.)
+        gpu, cpu = self.tiers[Tier.GPU], self.tiers[Tier.CPU]
+        to_gpu, to_cpu = self._incoming[Tier.GPU], self._incoming[Tier.CPU]
         for i, key in enumerate(keys):
-            if all(self.tiers[t].get(key) is None and key not in self._incoming[t] and key not in placed
-                   for t in LOCAL):
+            if (gpu.get(key) is None and cpu.get(key) is None and key not in to_gpu and key not in to_cpu
+                    and key not in placed):
                 if i < granted:
                     placed[key] = Tier.CPU
                 else:
                     fresh[key] = None
-        slots = [t for t in LOCAL for _ in range(min(self.room(t), len(fresh)))]
+        # (Room is only asked for when there is something to place: all granted, there is not.)
+        slots = [t for t in LOCAL for _ in range(min(self.room(t), len(fresh)))] if fresh else []
         if len(slots) < len(fresh):
             # Colder chains' tails make way for this chain's head: blocks Redis (for gpu: cpu)
             # holds too, which the worker drops when it finds the tier full (room_victim).
@@ -150,6 +154,7 @@ class Placement(Promotion):
                     allow[t] = None if a is None else a - 1
             slots = capped
         place = {**dict(zip(fresh, slots)), **placed}
+        until = now + self.knobs.transfer_timeout_s
         out: list[Tier | None] = []
         for key in keys:  # a chain: each block's parent is the one before it (the first's: `parent`)
             if key not in fresh and key not in placed:
@@ -159,8 +164,9 @@ class Placement(Promotion):
                 placed.pop(key, None)
                 tier = place.get(key, Tier.REDIS)
                 if tier in self._incoming:
-                    self._incoming[tier].add(key, parent, now + self.knobs.transfer_timeout_s)
-                    if all(self.tiers[u].get(key) is None for u in NODE):  # not counted for anyone yet
+                    self._incoming[tier].add(key, parent, until)
+                    # Not counted for anyone yet (new to gpu and cpu, as checked above).
+                    if tenant and self.tiers[Tier.DISK].get(key) is None:
                         self.tenants.claim(key, tenant)
                 out.append(tier)
             parent = key

@@ -10,6 +10,7 @@ A session-pinned block (core/pins.py) is a victim only where a tier below on the
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator, KeysView
 
@@ -33,12 +34,20 @@ class InFlight:
         self._until: dict[BlockKey, float] = {}
         self._parent: dict[BlockKey, BlockKey | None] = {}
         self._kids: dict[BlockKey, int] = {}
+        # (until, key), soonest first, so that `expire` (on every decision) walks only what is
+        # due, not every block in flight. An entry whose key has gone or was added again with
+        # another time is skipped when met, and the heap is rebuilt once it holds far more.
+        self._due: list[tuple[float, BlockKey]] = []
 
     def add(self, key: BlockKey, parent: BlockKey | None, until: float) -> None:
         self.pop(key)
         self._until[key], self._parent[key] = until, parent
         if parent is not None:
             self._kids[parent] = self._kids.get(parent, 0) + 1
+        heapq.heappush(self._due, (until, key))
+        if len(self._due) > 4 * len(self._until) + 65536:  # rebuilt: its cost spread over as many adds
+            self._due = [(u, k) for k, u in self._until.items()]
+            heapq.heapify(self._due)
 
     def pop(self, key: BlockKey) -> None:
         if self._until.pop(key, None) is None:
@@ -53,9 +62,12 @@ class InFlight:
 
     def expire(self, now: float) -> list[BlockKey]:
         """Give up what was due by `now`; the keys given up."""
-        gone = [k for k, until in self._until.items() if until <= now]
-        for key in gone:
-            self.pop(key)
+        due, gone = self._due, []
+        while due and due[0][0] <= now:
+            until, key = heapq.heappop(due)
+            if self._until.get(key) == until:
+                gone.append(key)
+                self.pop(key)
         return gone
 
     def kids(self, parent: BlockKey) -> int:

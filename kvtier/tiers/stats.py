@@ -30,15 +30,16 @@ class TierCounters:
     # Transfer times per bucket of LATENCY_BUCKETS_S (the last: slower than all of them).
     transfer_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
-    def add(self, what: Count) -> None:
-        """One more of what an outcome counts (kvtier/core/outcomes.py: each Count names a field)."""
-        setattr(self, what.value, getattr(self, what.value) + 1)
+    def add(self, what: Count, n: int = 1) -> None:
+        """n more of what an outcome counts (kvtier/core/outcomes.py: each Count names a field)."""
+        setattr(self, what.value, getattr(self, what.value) + n)
 
-    def timed(self, seconds: float) -> None:
-        self.transfers += 1
-        self.transfer_s += seconds
+    def timed(self, seconds: float, n: int = 1) -> None:
+        """n transfers that took `seconds` each (a batch's blocks, made visible together)."""
+        self.transfers += n
+        self.transfer_s += n * seconds
         self.transfer_max_s = max(self.transfer_max_s, seconds)
-        self.transfer_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.transfer_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += n
 
 
 @dataclass(slots=True)

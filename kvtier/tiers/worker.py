@@ -157,8 +157,8 @@ class TierWorker:
             t0 = time.perf_counter()
             if any(self._queued(rt, ev.key) for ev in todo):
                 await self._drain()  # per-block order holds within a batch too
-            for ev, (outcome, detail) in zip(todo, self.grants.adopt_many(rt, todo)):
-                self.facts.report(rt, self.facts.settle(rt, outcome, ev, detail), t0)
+            adopted = self.grants.adopt_many(rt, todo)
+            self.facts.report_many(rt, [(o, ev, detail) for ev, (o, detail) in zip(todo, adopted)], t0)
             self._fences.extend((rt.name, ev.key, stamp) for ev in todo)
             await self.grants.top_up(self._make_room)
         return [ev for ev in cmds if not ev.granted]
