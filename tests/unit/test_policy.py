@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvtier.core.events import Cause, Copy, Demote, Evict, Failure, Promote, Reason, Removed, Store, Stored, Tier
 from kvtier.core.knobs import RedisWrite
+from kvtier.core.room import InFlight
 from tests.support.placement import NOW, POOL, TIMEOUT, k, placement, put
 
 # --- admit ---------------------------------------------------------------------------------------
@@ -410,6 +411,26 @@ def test_in_flight_marks_expire_after_transfer_timeout() -> None:
     assert gpu.leaving == 0 and all(gpu.get(k(i)).pins == 0 for i in range(3))
     assert p.pressure(NOW + TIMEOUT) == first  # the same three are chosen again
     assert p.pressure(NOW + 2 * TIMEOUT - 0.1) == [] and gpu.leaving == 3  # under a fresh deadline
+
+
+def test_in_flight_expiry_goes_by_each_blocks_latest_deadline_and_stays_bounded() -> None:
+    f = InFlight()
+    f.add(k(1), None, 5.0)
+    f.add(k(2), k(1), 3.0)
+    f.add(k(1), None, 10.0)  # sent again: the later deadline holds, not the first
+    f.add(k(3), None, 4.0)
+    f.pop(k(3))  # its fact came back
+    assert f.expire(6.0) == [k(2)] and k(1) in f and f.kids(k(1)) == 0
+    assert f.expire(9.9) == [] and f.expire(10.0) == [k(1)] and len(f) == 0
+    f.add(k(4), None, 1.0)
+    f.add(k(5), None, 0.5)  # an earlier deadline added later still goes first
+    assert f.expire(0.7) == [k(5)] and f.expire(1.0) == [k(4)]
+    # Blocks settled long before their deadline leave entries behind in the expiry order;
+    # they are dropped in bulk, so a steady stream of puts does not grow it without bound.
+    for i in range(200_000):
+        f.add(k(i), None, 1e9)
+        f.pop(k(i))
+    assert len(f) == 0 and len(f._due) <= 65_536 + 1
 
 
 def test_revert_undoes_the_marks_of_commands_never_published() -> None:
