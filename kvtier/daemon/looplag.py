@@ -1,10 +1,14 @@
 """Event-loop lag: how late a short sleep wakes up. A blocked loop stalls every worker, the
-watchdog and the stats, so this is the first number to look at when the daemon seems slow."""
+watchdog and the stats, so this is the first number to look at when the daemon seems slow.
+The garbage collector's pauses stall it too: the collector is set for serving when this starts
+(at the end of start-up), and its pauses are reported beside the lag (daemon/collector.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+
+from kvtier.daemon.collector import Collector
 
 
 class LoopLag:
@@ -13,15 +17,21 @@ class LoopLag:
         self.last_ms = 0.0
         self.max_ms = 0.0  # since start
         self.samples = 0
+        self.collector = Collector()
 
     async def run(self) -> None:
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(self.interval_s)
-            lag = max(0.0, (time.monotonic() - t0 - self.interval_s) * 1000)
-            self.last_ms = lag
-            self.max_ms = max(self.max_ms, lag)
-            self.samples += 1
+        self.collector.start()
+        try:
+            while True:
+                t0 = time.monotonic()
+                await asyncio.sleep(self.interval_s)
+                lag = max(0.0, (time.monotonic() - t0 - self.interval_s) * 1000)
+                self.last_ms = lag
+                self.max_ms = max(self.max_ms, lag)
+                self.samples += 1
+        finally:
+            self.collector.stop()
 
     def as_dict(self) -> dict:
-        return {"lag_ms": round(self.last_ms, 3), "lag_max_ms": round(self.max_ms, 3), "samples": self.samples}
+        return {"lag_ms": round(self.last_ms, 3), "lag_max_ms": round(self.max_ms, 3), "samples": self.samples,
+                **self.collector.as_dict()}

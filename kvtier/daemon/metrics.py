@@ -18,7 +18,8 @@ Metric names (documented in docs/operations.md; the Grafana dashboard uses them)
   kvtier_redis_corrupt_total, kvtier_resync_missing_total, kvtier_resync_copies_total
   kvtier_bus_<counter>_total (published, delivered, acked, dead_lettered, handler_errors,
   redis_errors, reclaimed, deleted_entries), kvtier_stream_pending, kvtier_stream_lag
-  kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up
+  kvtier_event_loop_lag_seconds, kvtier_event_loop_lag_max_seconds, kvtier_up,
+  kvtier_gc_seconds_total, kvtier_gc_collections_total (by generation), kvtier_gc_pause_max_seconds
   kvtier_arena_bytes, kvtier_arena_populated_bytes, kvtier_arena_populate_failed, kvtier_arena_page_bytes,
   kvtier_ready_seconds
   kvtier_disk_up, kvtier_disk_lost_blocks, kvtier_disk_adopted_blocks, kvtier_disk_scanned_slots,
@@ -143,6 +144,17 @@ class DaemonCollector(Collector):
                                 value=loop.get("lag_ms", 0.0) / 1000)
         yield GaugeMetricFamily("kvtier_event_loop_lag_max_seconds", "Worst event-loop lag since start",
                                 value=loop.get("lag_max_ms", 0.0) / 1000)
+        gc_s = CounterMetricFamily("kvtier_gc_seconds", "Time in Python's garbage collector (it stalls the event loop)",
+                                   labels=["generation"])
+        gc_n = CounterMetricFamily("kvtier_gc_collections", "Collections of Python's garbage collector",
+                                   labels=["generation"])
+        for g, (secs, n) in enumerate(zip(loop.get("gc_s", ()), loop.get("gc_collections", ()))):
+            gc_s.add_metric([str(g)], secs)
+            gc_n.add_metric([str(g)], n)
+        yield gc_s
+        yield gc_n
+        yield GaugeMetricFamily("kvtier_gc_pause_max_seconds", "Longest garbage collection since start",
+                                value=loop.get("gc_pause_max_ms", 0.0) / 1000)
 
 
 def _arena_gauges(s: dict[str, Any]) -> list[GaugeMetricFamily]:

@@ -27,7 +27,8 @@ DOCUMENTED = {  # the names docs/operations.md lists and the dashboard uses
     "kvtier_stream_lag", "kvtier_event_loop_lag_seconds", "kvtier_event_loop_lag_max_seconds",
     "kvtier_arena_bytes", "kvtier_arena_populated_bytes", "kvtier_arena_populate_failed", "kvtier_arena_page_bytes",
     "kvtier_ready_seconds", "kvtier_disk_up", "kvtier_disk_lost_blocks", "kvtier_disk_adopted_blocks",
-    "kvtier_disk_scanned_slots", "kvtier_disk_admissions",
+    "kvtier_disk_scanned_slots", "kvtier_disk_admissions", "kvtier_gc_seconds", "kvtier_gc_collections",
+    "kvtier_gc_pause_max_seconds",
     *(f"kvtier_bus_{c}" for c in BUS_COUNTERS),
 }
 
@@ -64,6 +65,8 @@ async def test_metrics_endpoint_serves_the_documented_names_and_moves_with_the_b
     assert before[("kvtier_arena_populated_bytes", arena)] == before[("kvtier_arena_bytes", arena)] == 4 * 8192
     assert before[("kvtier_arena_page_bytes", arena)] == 4096 and before[("kvtier_arena_populate_failed", arena)] == 0
     assert 0 < before[("kvtier_ready_seconds", ())] < 30
+    # The collector was set for serving: start-up's objects frozen out of collections (daemon/collector.py).
+    assert d.stats()["loop"]["gc_frozen"] > 10_000
     async with await Client.connect(d.runtime_dir) as client:
         for c in range(4):  # 8 blocks into 2 gpu + 4 cpu slots: stores, demotions, evictions
             keys = client.block_keys("t", list(range(c * 1000, c * 1000 + 32)), salt=b"metrics")
@@ -85,6 +88,9 @@ async def test_metrics_endpoint_serves_the_documented_names_and_moves_with_the_b
     assert after[("kvtier_tier_transfer_seconds_bucket", tuple(sorted(gpu + (("le", "+Inf"),))))] == \
         after[("kvtier_tier_transfer_seconds_count", gpu)]
     assert after[("kvtier_bus_published_total", ())] > before[("kvtier_bus_published_total", ())]
+    young = (("generation", "0"),)
+    assert after[("kvtier_gc_collections_total", young)] >= before[("kvtier_gc_collections_total", young)]
+    assert after[("kvtier_gc_pause_max_seconds", ())] >= 0
     await async_wait_until(lambda: ("kvtier_stream_pending", (("stream", f"kvtier:{{{d.node}}}:client"),))
                            in scrape(url), timeout=10, message="stream samples")
     assert d.stop() == 0
