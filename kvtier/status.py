@@ -153,5 +153,6 @@ def render_status(stats: dict, prev: dict | None = None) -> str:
         lines.append(f"metrics: {stats['metrics_url']}")
     loop = stats.get("loop", {})
     if loop:
-        lines.append(f"event loop lag: {loop.get('lag_ms', 0):.1f} ms now, {loop.get('lag_max_ms', 0):.1f} ms max")
+        gc = f", gc pauses {loop['gc_pause_max_ms']:.1f} ms max" if "gc_pause_max_ms" in loop else ""
+        lines.append(f"event loop lag: {loop.get('lag_ms', 0):.1f} ms now, {loop.get('lag_max_ms', 0):.1f} ms max{gc}")
     return "\n".join(lines)

@@ -104,7 +104,8 @@ def test_status_watch_refreshes_with_rates(daemon_factory):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.count(f"node {d.node}") == 3, out
     assert out.count("rates/s (hits/stored/promoted_in/demoted_in/evicted/failed)") == 2, "rates from the 2nd frame on"
-    assert "event loop lag" in out and "metrics: http://127.0.0.1:" in out and "streams: client pending" in out
+    assert "event loop lag" in out and "gc pauses" in out, out
+    assert "metrics: http://127.0.0.1:" in out and "streams: client pending" in out
     assert "arena  populated in" in out and "slots in service 16/16  tmpfs /dev/shm, 4 KiB pages" in out, out
     assert d.stop() == 0
 
