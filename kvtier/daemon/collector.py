@@ -27,6 +27,7 @@ class Collector:
         self.seconds = [0.0, 0.0, 0.0]
         self.pause_max_s = 0.0
         self._t0 = 0.0
+        self.frozen = 0  # objects start-up left, frozen (counted once: gc.get_freeze_count() walks them all)
         self._before: tuple[int, int, int] | None = None
 
     def start(self, young: int = YOUNG) -> None:
@@ -34,6 +35,7 @@ class Collector:
         and time every collection from now on."""
         gc.collect()
         gc.freeze()
+        self.frozen = gc.get_freeze_count()
         self._before = gc.get_threshold()
         gc.set_threshold(young, *self._before[1:])
         gc.callbacks.append(self._timed)
@@ -60,4 +62,4 @@ class Collector:
 
     def as_dict(self) -> dict[str, Any]:
         return {"gc_collections": list(self.collections), "gc_s": [round(s, 4) for s in self.seconds],
-                "gc_pause_max_ms": round(self.pause_max_s * 1000, 3), "gc_frozen": gc.get_freeze_count()}
+                "gc_pause_max_ms": round(self.pause_max_s * 1000, 3), "gc_frozen": self.frozen}
