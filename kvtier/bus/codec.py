@@ -66,9 +66,17 @@ def _to_wire(value: object) -> object:
     if isinstance(value, StagedBlock):
         wire = [value.key, value.parent, value.slot, value.gen]
         return wire + [True] if value.granted else wire
-    if isinstance(value, tuple):
+    if isinstance(value, tuple):  # a batch's columns, or its blocks: thousands of items, so no call per item
+        if all(type(v) in _PLAIN for v in value):
+            return list(value)
+        if all(type(v) is StagedBlock for v in value):
+            return [[b.key, b.parent, b.slot, b.gen, True] if b.granted else [b.key, b.parent, b.slot, b.gen]
+                    for b in value]
         return [_to_wire(v) for v in value]
     return value
+
+
+_PLAIN = frozenset({bytes, int, str, bool, float, type(None)})  # what goes on the wire as it is
 
 
 def decode(data: object) -> Envelope:
@@ -209,14 +217,14 @@ def _str_enum(hint: type[enum.StrEnum], where: str, value: object) -> enum.StrEn
 
 
 def _staged(where: str, value: object) -> StagedBlock:
-    if not isinstance(value, list) or len(value) not in (4, 5) or (len(value) == 5 and value[4] is not True):
+    if type(value) is not list or not (len(value) == 4 or (len(value) == 5 and value[4] is True)):
         raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen] (+ true: granted)")
-    k, p, slot, gen = value[:4]
+    k, p, slot, gen = value[0], value[1], value[2], value[3]
     # The common case checked inline (a put names up to thousands of blocks): exact types, no
     # error text built. Anything else takes the checks below, which say what is wrong.
     if (type(k) is bytes and len(k) == KEY_BYTES and (p is None or (type(p) is bytes and len(p) == KEY_BYTES))
             and type(slot) is int and 0 <= slot <= I64_MAX and type(gen) is int and 0 <= gen <= I64_MAX):
-        return StagedBlock(key=k, parent=p, slot=slot, gen=gen, granted=len(value) == 5)  # type: ignore[arg-type]
+        return StagedBlock(k, p, slot, gen, len(value) == 5)  # type: ignore[arg-type]
     return StagedBlock(
         key=_key(where + ".key", k),
         parent=None if p is None else _key(where + ".parent", p),
