@@ -22,6 +22,7 @@ DIR_MAGIC = b"KVTDIR01"
 _HEAD = struct.Struct("<8sQ32s")
 # used, gpu slot, cpu slot, flags, key, disk slot (in what were 16 pad bytes: the entry size is unchanged)
 _ENTRY = struct.Struct("<IiiI32si12x")
+_USED = struct.Struct("<I")  # an entry's first field alone: an insert's probe reads no more
 ENTRY_OFF = 4096
 ENTRY_BYTES = _ENTRY.size
 NO_SLOT = -1
@@ -147,7 +148,8 @@ class DirectoryWriter(DirectoryReader):
 
     def _insert(self, key: bytes, row: list[int]) -> None:
         i = _home(key, self._mask)
-        while _ENTRY.unpack_from(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES)[0]:
+        buf, used = self.seg.buf, _USED.unpack_from
+        while used(buf, ENTRY_OFF + i * ENTRY_BYTES)[0]:
             i = (i + 1) & self._mask
         self._where[key] = i
         self._rows[key] = row
