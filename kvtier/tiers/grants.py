@@ -185,7 +185,12 @@ class GrantBook:
             checked = snap[at]
             # The parent the put names, as the index has it (a warm restart reads it back from here).
             checked["parent"] = np.frombuffer(b"".join(evs[j].parent or EMPTY_KEY for j in at), dtype="V32")
-            flip_valid(headers, slots[at], checked)
+            try:
+                flip_valid(headers, slots[at], checked)
+            except BaseException:  # claimed, never visible: emptied and freed, as a failed fill is
+                for _, entry in flips:
+                    rt.abort(rt.cpu, entry)
+                raise
             for _, entry in flips:
                 rt.finish(rt.cpu, entry)
             rt.counters.granted_puts += len(flips)

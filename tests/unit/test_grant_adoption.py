@@ -70,3 +70,43 @@ def test_a_batch_of_granted_stores_is_adopted_block_by_block_in_one_pass() -> No
         [(o, _)] = book.adopt_many(rt, [forged])
         assert isinstance(o.fact, Removed) and o.fact.why is Failure.VERIFY
         assert table.header(last.slot).flags == Flags.EMPTY
+
+
+def test_a_flip_that_fails_half_way_leaves_no_claimed_slot_behind(monkeypatch) -> None:
+    """A fault injected into the flip itself (none happens on a healthy mapping): after the gens
+    went odd, before any header was written. The batch raises (it is not acked, so it comes
+    back), and the blocks it had claimed are emptied and their slots freed, not leaked as
+    claimed-but-invisible; the redelivery finds them no longer granted and reports them failed."""
+    import kvtier.tiers.grants as grants_mod
+
+    with grant_pool("test-adopt-fault") as (rt, staging, w, log):
+        bb, table = rt.layout.block_bytes, rt.cpu.table
+        book = GrantBook({"s": rt}, staging, 3, log)
+        book.renew(sorted(staging.present()))
+        book.want("s", w.seg.name)
+        assert asyncio.run(book.top_up(no_room)) == 3
+        keys = [bytes([i + 1]) * 32 for i in range(3)]
+        rows = np.random.default_rng(4).integers(0, 255, (3, bb), dtype=np.uint8)
+        filled = [w.fill_slot(b, rows[i]) for i, b in enumerate(w.take_slots(keys, None))]
+        stores = [Store("s", Tier.CPU, b.key, keys[i - 1] if i else None, w.seg.name, b.slot, b.gen, True)
+                  for i, b in enumerate(filled)]
+        free_before = rt.cpu.index.free
+
+        def half_flip(headers, slots, checked) -> None:
+            headers["gen"][slots] = headers["gen"][slots] + 1
+            raise OSError("injected: the mapping failed mid-flip")
+
+        monkeypatch.setattr(grants_mod, "flip_valid", half_flip)
+        try:
+            book.adopt_many(rt, stores)
+            raise AssertionError("the flip's failure must reach the caller")
+        except OSError:
+            pass
+        monkeypatch.undo()
+        for b in filled:
+            h = table.header(b.slot)
+            assert h.flags == Flags.EMPTY and h.gen % 2 == 0, h
+            assert rt.cpu.index.get(b.key) is None
+        assert rt.cpu.index.free == free_before + 3  # back in the free list, not claimed for ever
+        again = book.adopt_many(rt, stores)
+        assert [o.fact.why for o, _ in again if isinstance(o.fact, Removed)] == [Failure.BAD_STAGING] * 3
