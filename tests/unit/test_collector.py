@@ -25,7 +25,8 @@ def test_collector_freezes_start_up_times_collections_and_puts_everything_back()
         assert gc.collect() >= 3  # objects made after the freeze are still collected
         assert c.collections[2] >= 1 and c.seconds[2] > 0 and c.pause_max_s > 0
         stats = c.as_dict()
-        assert stats["gc_collections"][2] == c.collections[2] and stats["gc_frozen"] == c.frozen == gc.get_freeze_count()
+        assert stats["gc_collections"][2] == c.collections[2]
+        assert stats["gc_frozen"] == c.frozen == gc.get_freeze_count()
     finally:
         c.stop()
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
