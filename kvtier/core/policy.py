@@ -185,10 +185,28 @@ class Placement(Promotion):
 
     # --- settling what was in flight -----------------------------------------------------------
 
+    def on_stored(self, tier: Tier, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> list[Command]:
+        """`on_fact` for blocks clients put that are now stored in local tier `tier`, in order:
+        a put's whole batch at once, with no `Stored` made per block (on_fact comes here too)."""
+        incoming, redis = self._incoming[tier], self.tiers[Tier.REDIS]
+        until = self._now + self.knobs.transfer_timeout_s  # facts carry no time: the latest decision's
+        through = self.knobs.redis_write is RedisWrite.WRITE_THROUGH and not self.knobs.redis_admit_after_hits
+        out: list[Command] = []
+        for key, parent in zip(keys, parents):
+            incoming.pop(key)
+            spill = self._spill.stored(self, key, until)
+            # As core/write_through.py `copy_for_fact` has it for such a fact.
+            copy = Copy(self.pool, key, parent, tier, Tier.REDIS) if through and key not in redis else spill
+            if copy is not None:
+                out.append(copy)
+        return out
+
     def on_fact(self, fact: Stored | Removed) -> list[Command]:
         """Settle what was in flight; finish write-backs: once the next tier stored a demoted
         block, drop it up here."""
         cause = fact.cause  # a Removed of any cause but EVICT is that command's failure
+        if isinstance(fact, Stored) and cause == Cause.STORE and fact.tier in LOCAL:
+            return self.on_stored(fact.tier, [fact.key], [fact.parent])
         if fact.tier in self._incoming and cause in (Cause.STORE, Cause.PROMOTE, Cause.DEMOTE):
             self._incoming[fact.tier].pop(fact.key)
             if isinstance(fact, Removed):

@@ -15,6 +15,7 @@ from kvtier.bus.dedup import AppliedEntries
 from kvtier.bus.streams import StreamNames
 from kvtier.core.events import (
     Access,
+    Cause,
     Copy,
     Demote,
     Evict,
@@ -32,6 +33,7 @@ from kvtier.core.events import (
     StoredBatch,
     Tier,
 )
+from kvtier.core.residency import LOCAL
 from kvtier.errors import MalformedEvent
 from kvtier.keys import BlockKey
 from kvtier.tiers.grants import GrantBook
@@ -95,6 +97,14 @@ class Coordinator:
         elif isinstance(ev, RemoteRead):
             rt.counters.remote_reads += len(ev.keys)
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
+        elif isinstance(ev, StoredBatch) and ev.cause == Cause.STORE and ev.tier in LOCAL:
+            # A put's blocks, stored (the common batch): settled at once, a Stored made per block only
+            # for the KV events.
+            if not len(ev.keys) == len(ev.parents) == len(ev.slots):
+                raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
+            cmds = rt.placement.on_stored(ev.tier, ev.keys, ev.parents)
+            if self.on_facts is not None:
+                self._facts.setdefault(rt.name, []).extend(ev.facts() or ())
         elif isinstance(ev, (Stored, StoredBatch, Removed)):
             facts = [ev] if not isinstance(ev, StoredBatch) else ev.facts()
             if facts is None:

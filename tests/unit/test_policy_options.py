@@ -146,3 +146,28 @@ def test_write_through_redoes_a_copy_whose_source_shed_the_block_first() -> None
     p.tiers[Tier.REDIS].add(k(1), None)
     assert p.on_fact(missed) == []
     assert placement().on_fact(missed) == [], "write-back: no copies to redo"
+
+
+def test_a_stored_batch_settles_as_its_facts_one_by_one() -> None:
+    """`on_stored` (a put's whole batch, as the coordinator hands it) against `on_fact` per block,
+    on two placements that saw the same puts: the same commands, and the same marks left after,
+    under write-back (a spilled put's head copied once it is stored) and write-through."""
+    from kvtier.core.policy import Placement
+
+    def after_puts(**knobs) -> Placement:
+        p = placement(gpu=0, cpu=4, **knobs)
+        put(p, Tier.CPU, [1, 2], chain=True)
+        p.on_put([k(3), k(4), k(5), k(6)], k(2), NOW)  # two fit, two spill (write-back copies the head)
+        p.tiers[Tier.CPU].add(k(3), k(2))
+        p.tiers[Tier.CPU].add(k(4), k(3))
+        return p
+
+    for knobs in ({}, {"redis_write": THROUGH}):
+        one, batch = after_puts(**knobs), after_puts(**knobs)
+        keys, parents = [k(3), k(4), k(9)], [k(2), k(3), None]  # k(9): a fact of a block never put (late)
+        singly = [c for key, parent in zip(keys, parents)
+                  for c in one.on_fact(Stored(POOL, key, parent, Tier.CPU, 0, Cause.STORE))]
+        assert batch.on_stored(Tier.CPU, keys, parents) == singly
+        assert singly, "each case has a copy to make"
+        assert (len(batch._spill), batch.incoming(Tier.CPU)) == (len(one._spill), one.incoming(Tier.CPU))
+        assert batch.on_stored(Tier.CPU, keys, parents) == [c for c in singly if knobs], "once, unless write-through"
