@@ -12,8 +12,8 @@ import array
 import hashlib
 import struct
 import sys
-from collections.abc import Sequence
-from typing import NewType
+from collections.abc import Iterable, Sequence
+from typing import NewType, cast
 
 import numpy as np
 
@@ -87,6 +87,15 @@ def chain_keys(root: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens:
         prev = sha(prev + raw[i * step : (i + 1) * step]).digest()
         keys.append(BlockKey(prev))
     return keys
+
+
+def check_keys(keys: Iterable[object]) -> list[BlockKey]:
+    """`check_key` of each, in order: a get or put names thousands, and a list of exact 32-byte
+    `bytes` (what block_keys makes) is taken as it is, without a call per key."""
+    out = list(keys)
+    if all(type(k) is bytes and len(k) == KEY_BYTES for k in out):
+        return cast(list[BlockKey], out)
+    return [check_key(k) for k in out]
 
 
 def check_key(key: object) -> BlockKey:

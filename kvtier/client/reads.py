@@ -21,7 +21,7 @@ from kvtier.client.pools import ClientPool
 from kvtier.client.remote import RemoteReads, Through
 from kvtier.client.results import ClientStats, Lookup, ReadCounts
 from kvtier.errors import RedisUnavailable
-from kvtier.keys import BlockKey, check_key
+from kvtier.keys import BlockKey, check_keys
 from kvtier.logs import LogThrottle
 from kvtier.offload import map_shares, share_threads
 
@@ -59,7 +59,7 @@ class ClientReads:
         most `remote_timeout` seconds."""
         p = self.pool(pool)
         p.check_tensor(out, len(keys), "out")
-        return await self._read(p, [check_key(k) for k in keys], TensorRows(self, p, out), remote, counts)
+        return await self._read(p, check_keys(keys), TensorRows(self, p, out), remote, counts)
 
     async def get_with(self, pool: str, keys: Sequence[bytes], copy_out: CopyOut, digest: Callable[[int], int], *,
                        remote: bool = False, land: Callable[[int], npt.NDArray[np.uint8] | None] | None = None,
@@ -73,13 +73,13 @@ class ClientReads:
         does; what was written for blocks from n on must not be used. `counts`, when given, gets
         this call's own figures (local and Redis reads)."""
         p = self.pool(pool)
-        return await self._read(p, [check_key(k) for k in keys], CallerRows(self, p, copy_out, digest, land), remote,
+        return await self._read(p, check_keys(keys), CallerRows(self, p, copy_out, digest, land), remote,
                                 counts)
 
     async def _read(self, p: ClientPool, bkeys: list[BlockKey], rows: Rows, remote: bool,
                     counts: ReadCounts | None = None) -> int:
         ok = await rows.read(range(len(bkeys)), bkeys)
-        n = next((i for i, hit in enumerate(ok) if not hit), len(ok))
+        n = len(ok) if all(ok) else ok.index(False)  # the leading run of hits (in C: thousands of blocks)
         from_redis = 0
         if remote and n < len(bkeys):
             if self._remote.denied:

@@ -17,7 +17,7 @@ from kvtier.client.where_query import query_where
 from kvtier.core.manifest import ManifestEntry, conflict, manifest_key, stored_key
 from kvtier.core.where import Where
 from kvtier.errors import NamespaceConflict, RedisUnavailable
-from kvtier.keys import check_key
+from kvtier.keys import check_key, check_keys
 from kvtier.logs import Log, LogThrottle
 from kvtier.store.commands import KeyBatches
 from kvtier.store.redis_blocks import redis_block_key
@@ -82,7 +82,7 @@ class RedisQueries:
         client/where_query.py. RedisUnavailable when Redis cannot answer."""
         self.pool(pool)
         try:
-            return await query_where(self._block_batches, pool, [check_key(k) for k in keys])
+            return await query_where(self._block_batches, pool, check_keys(keys))
         except REDIS_ERRORS as e:
             raise RedisUnavailable(f"where: {type(e).__name__}: {e}") from e
 

@@ -26,7 +26,7 @@ from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
 from kvtier.core.events import Pin, Prefetch, Put, StagedBlock, TokenIds
 from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
-from kvtier.keys import BlockKey, check_key, encode_tokens
+from kvtier.keys import BlockKey, check_key, check_keys, encode_tokens
 from kvtier.logs import LogThrottle
 from kvtier.processes import pid_alive
 from kvtier.shm.staging import StagingWriter
@@ -91,7 +91,7 @@ class ClientWrites:
                    token_ids: Sequence[int] | None, wait_s: float, tenant: str) -> PutResult:
         """Stage what fits, in as many rounds as `wait_s` allows; each round is filled by
         writer(staging, n_staged, offset)(i, slot) in copy threads, then published."""
-        bkeys = [check_key(k) for k in keys]
+        bkeys = check_keys(keys)
         bparent = None if parent is None else check_key(parent)
         _check_tenant(tenant)
         tokens = None
@@ -170,7 +170,7 @@ class ClientWrites:
         Read reports still pending go first, in the same round trip (AccessReports.take).
         RedisUnavailable when the event cannot be published."""
         self.pool(pool)
-        bkeys = tuple(check_key(k) for k in keys)
+        bkeys = tuple(check_keys(keys))
         if bkeys:
             reads = await self._access.take_in_order()
             ask = Prefetch(pool, bkeys, None if parent is None else check_key(parent))
@@ -192,7 +192,7 @@ class ClientWrites:
         if type(ttl_s) is not int or not 0 <= ttl_s <= MAX_PIN_TTL_S:
             raise BadRequest(f"ttl_s must be an int of seconds from 0 to {MAX_PIN_TTL_S}, got {ttl_s!r}")
         _check_tenant(tenant)
-        bkeys = tuple(check_key(k) for k in keys)
+        bkeys = tuple(check_keys(keys))
         if len(bkeys) > MAX_ITEMS:
             raise BadRequest(f"a pin names at most {MAX_ITEMS} blocks, got {len(bkeys)}")
         if bkeys:

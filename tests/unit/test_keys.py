@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import BadRequest
-from kvtier.keys import KEY_BYTES, chain_keys, check_key, encode_tokens, root_key
+from kvtier.keys import KEY_BYTES, chain_keys, check_key, check_keys, encode_tokens, root_key
 from kvtier.layout import BlockLayout
 
 SMALL = BlockLayout("m", 2, 2, 4, 16, "float16")
@@ -205,6 +205,17 @@ def test_check_key_accepts_32_bytes(ok) -> None:
 def test_check_key_rejects_wrong_length_or_type(bad) -> None:
     with pytest.raises(BadRequest):
         check_key(bad)
+
+
+@pytest.mark.parametrize("bad", [b"", bytes(33), "a" * 32, None])
+def test_check_keys_checks_each_key_as_check_key_does(bad) -> None:
+    keys = [bytes(32), bytearray(b"\x01" * 32), memoryview(bytes(range(32)))]
+    out = check_keys(iter(keys))  # any iterable, once
+    assert [type(k) for k in out] == [bytes] * 3 and out == [bytes(k) for k in keys]
+    plain = [bytes([i]) * 32 for i in range(3)]
+    assert check_keys(plain) == plain
+    with pytest.raises(BadRequest):
+        check_keys([*plain, bad])
 
 
 # --- BlockLayout ---------------------------------------------------------------------------------
