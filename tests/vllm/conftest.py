@@ -5,11 +5,14 @@ Without vLLM these tests fail at collection, never skip: a skipped engine test i
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 try:
     import vllm  # noqa: F401
@@ -24,6 +27,14 @@ from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from kvtier.tools.vllm_engine import connector_config as engine_connector_config
 from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
+
+# vLLM's CPU build binds each engine's worker process to one core, core 0 for every engine on a
+# 2-core host, from its first import on: two test files side by side started their engines on one
+# core while the other waited. Unbound, with the one OpenMP thread the binding gave it (so the same
+# arithmetic), a worker runs where a core is free: two engines started at once were ready in 24.6 s
+# rather than 29.2 s (stopped 7 s after rather than 9 s). The bench smoke test's engines inherit it.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 POOL = "tiny"
 BS = 32  # vLLM block size = the pool's block_tokens
@@ -54,17 +65,43 @@ def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extr
     return engine_connector_config(pool, runtime_dir, role, **{"cost_model": False, **extra})
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tiny-llama"))
+SHARED_WAIT_S = 600.0  # the longest a worker waits on another making a shared fixture (an engine run)
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Greedy outputs of an engine with no connector: what every run with kvtier must equal."""
-    log = tmp_path_factory.mktemp("engines") / "baseline.log"
-    with EngineProcess(tiny_model, log, prefix_caching=False) as eng:
-        return {name: eng.generate(p)["tokens"] for name, p in PROMPTS.items()}
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory this test session's xdist workers share (their own base directories' parent),
+    or the session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def tiny_model(session_dir: Path) -> Path:
+    """The tiny Llama, made once a session: every worker's engines run the same weights."""
+    path = session_dir / "tiny-llama"
+    with FileLock(f"{path}.lock", timeout=SHARED_WAIT_S):
+        if not path.exists():  # made aside and renamed, so it is whole when it exists
+            path.with_suffix(".tmp").mkdir(exist_ok=True)
+            make_model(path.with_suffix(".tmp")).rename(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path, session_dir: Path) -> dict[str, list[int]]:
+    """Greedy outputs of an engine with no connector: what every run with kvtier must equal.
+    Computed once a session, by the first worker that asks (an engine start costs about 25 s of
+    CPU on 2 cores): the model and the prompts are fixed, so the outputs are too."""
+    path = session_dir / "baseline.json"
+    with FileLock(f"{path}.lock", timeout=SHARED_WAIT_S):
+        if not path.exists():
+            with EngineProcess(tiny_model, session_dir / "baseline.log", prefix_caching=False) as eng:
+                out = {name: eng.generate(p)["tokens"] for name, p in PROMPTS.items()}
+            path.with_suffix(".tmp").write_text(json.dumps({"prompts": PROMPTS, "outputs": out}))
+            path.with_suffix(".tmp").rename(path)
+        saved = json.loads(path.read_text())
+    assert saved["prompts"] == PROMPTS, "the baseline was computed for other prompts"
+    return saved["outputs"]
 
 
 @pytest.fixture(scope="module")
