@@ -28,27 +28,28 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
     node = node_factory("vllm-lf")
     logs = tmp_path_factory.mktemp("engines")
     rec: dict = {}
-    with EngineProcess(tiny_model, logs / "save.log", connector_config(POOL, node.runtime_dir),
-                       prefix_caching=False) as e:
-        e.generate(PROMPTS["P1"])
-    wait_until(lambda: node.pool_stats(POOL).get("puts", 0) >= 11, timeout=30, message="P1's blocks stored")
-    # A load's deadline is call_timeout_ms until the cost model has figures: 1 s, and the load
-    # stalls 2 s before it reads.
-    with EngineProcess(tiny_model, logs / "deadline.log", connector_config(POOL, node.runtime_dir,
-                                                                          call_timeout_ms=1000),
-                       prefix_caching=False, env={LOAD_STALL_ENV: "2"}) as e:
-        rec["deadline_p1"] = e.generate(PROMPTS["P1"])
-    rec["deadline_log"] = (logs / "deadline.log").read_text(errors="replace")
+    # The kill scenario's engine first saves P1 (on a fresh node its request loads nothing, and only
+    # a load stalls), so no engine is started just to save it.
     with EngineProcess(tiny_model, logs / "kill.log", connector_config(POOL, node.runtime_dir),
-                       prefix_caching=False, env={LOAD_STALL_ENV: "1.5"}) as e:
+                       prefix_caching=False, env={LOAD_STALL_ENV: "1.5"}) as k:
+        k.generate(PROMPTS["P1"])
+        wait_until(lambda: node.pool_stats(POOL).get("puts", 0) >= 11, timeout=30, message="P1's blocks stored")
+        assert "stalled for" not in k.log_text(), "P1's request loaded nothing"
+        # A load's deadline is call_timeout_ms until the cost model has figures: 1 s, and the load
+        # stalls 2 s before it reads.
+        with EngineProcess(tiny_model, logs / "deadline.log", connector_config(POOL, node.runtime_dir,
+                                                                              call_timeout_ms=1000),
+                           prefix_caching=False, env={LOAD_STALL_ENV: "2"}) as e:
+            rec["deadline_p1"] = e.generate(PROMPTS["P1"])
+        rec["deadline_log"] = (logs / "deadline.log").read_text(errors="replace")
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(e.generate(PROMPTS["P2"])))
+        t = threading.Thread(target=lambda: out.update(k.generate(PROMPTS["P2"])))
         t.start()
-        wait_until(lambda: "stalled for" in e.log_text(), timeout=60, message="the load is in flight")
+        wait_until(lambda: "stalled for" in k.log_text(), timeout=60, message="the load is in flight")
         node.kill()
         t.join(120)
         rec["killed_p2"] = out
-        rec["alive"] = e.proc.poll() is None
+        rec["alive"] = k.proc.poll() is None
     rec["kill_log"] = (logs / "kill.log").read_text(errors="replace")
     return rec
 
