@@ -1,12 +1,15 @@
 """Event-loop lag: how late a short sleep wakes up. A blocked loop stalls every worker, the
 watchdog and the stats, so this is the first number to look at when the daemon seems slow.
-The garbage collector's pauses stall it too: the collector is set for serving when this starts
-(at the end of start-up), and its pauses are reported beside the lag (daemon/collector.py)."""
+The garbage collector's pauses stall it too: the collector is set for serving when `run` is
+called (at the end of start-up, before the other chores: its one full collection then stalls
+none of them), and its pauses are reported beside the lag (daemon/collector.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from kvtier.daemon.collector import Collector
 
@@ -19,8 +22,12 @@ class LoopLag:
         self.samples = 0
         self.collector = Collector()
 
-    async def run(self) -> None:
+    def run(self) -> Coroutine[Any, Any, None]:
+        """Set the collector for serving now, and return the sampling loop to run as a chore."""
         self.collector.start()
+        return self._sample()
+
+    async def _sample(self) -> None:
         try:
             while True:
                 t0 = time.monotonic()
