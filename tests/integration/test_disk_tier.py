@@ -103,6 +103,9 @@ async def test_cpu_sheds_reused_blocks_to_disk_and_clients_read_them_from_the_fi
         hot = await put_chains(c, d, 2, base=0)
         for keys, kv in hot:  # read once: admitted to disk when cpu sheds them
             assert await read_whole(c, keys, kv) == 4
+        # The reads are reported a few ms later, on their own: counted before the next puts, or
+        # the cold chains come in older than the hot ones and cpu sheds them first.
+        await async_wait_until(lambda: d.pool_stats().get("hits", 0) >= 8, timeout=10, message="the reads counted")
         cold = await put_chains(c, d, 4, base=10**7)  # 16 blocks more: cpu sheds the hot ones, then these
         # Tail first: cpu sheds a chain's leaves, so the hot chains' tails reach the disk first.
         await async_wait_until(lambda: disk(d).get("blocks", 0) >= 2, timeout=20, message="hot chains' tails on disk")
