@@ -148,26 +148,27 @@ def test_write_through_redoes_a_copy_whose_source_shed_the_block_first() -> None
     assert placement().on_fact(missed) == [], "write-back: no copies to redo"
 
 
-def test_a_stored_batch_settles_as_its_facts_one_by_one() -> None:
-    """`on_stored` (a put's whole batch, as the coordinator hands it) against `on_fact` per block,
-    on two placements that saw the same puts: the same commands, and the same marks left after,
-    under write-back (a spilled put's head copied once it is stored) and write-through."""
-    from kvtier.core.policy import Placement
-
-    def after_puts(**knobs) -> Placement:
+def test_a_stored_batch_copies_what_its_spilled_tail_and_write_through_need() -> None:
+    """`on_stored`, a put's whole batch as the coordinator hands it: under write-back the stored
+    ancestors of a put's spilled tail are copied to Redis once (the chain there has no hole);
+    under write-through every stored block Redis lacks is copied, each time it is stored again."""
+    def after_puts(**knobs):
         p = placement(gpu=0, cpu=4, **knobs)
         put(p, Tier.CPU, [1, 2], chain=True)
-        p.on_put([k(3), k(4), k(5), k(6)], k(2), NOW)  # two fit, two spill (write-back copies the head)
+        p.on_put([k(3), k(4), k(5), k(6)], k(2), NOW)  # two fit, k(5) and k(6) spill to Redis
         p.tiers[Tier.CPU].add(k(3), k(2))
         p.tiers[Tier.CPU].add(k(4), k(3))
         return p
 
-    for knobs in ({}, {"redis_write": THROUGH}):
-        one, batch = after_puts(**knobs), after_puts(**knobs)
-        keys, parents = [k(3), k(4), k(9)], [k(2), k(3), None]  # k(9): a fact of a block never put (late)
-        singly = [c for key, parent in zip(keys, parents)
-                  for c in one.on_fact(Stored(POOL, key, parent, Tier.CPU, 0, Cause.STORE))]
-        assert batch.on_stored(Tier.CPU, keys, parents) == singly
-        assert singly, "each case has a copy to make"
-        assert (len(batch._spill), batch.incoming(Tier.CPU)) == (len(one._spill), one.incoming(Tier.CPU))
-        assert batch.on_stored(Tier.CPU, keys, parents) == [c for c in singly if knobs], "once, unless write-through"
+    keys, parents = [k(3), k(4), k(9)], [k(2), k(3), None]  # k(9): a fact of a block never put (late)
+    heads = [Copy(POOL, k(3), k(2), Tier.CPU, Tier.REDIS), Copy(POOL, k(4), k(3), Tier.CPU, Tier.REDIS)]
+    back = after_puts()
+    assert {k(3), k(4)} <= set(back._incoming[Tier.CPU])
+    assert back.on_stored(Tier.CPU, keys, parents) == heads
+    assert not {k(3), k(4)} & set(back._incoming[Tier.CPU]), "no longer in flight"
+    assert back.on_stored(Tier.CPU, keys, parents) == [], "write-back copies a spilled tail's head once"
+    through = after_puts(redis_write=THROUGH)
+    every = [*heads, Copy(POOL, k(9), None, Tier.CPU, Tier.REDIS)]
+    assert through.on_stored(Tier.CPU, keys, parents) == every
+    through.tiers[Tier.REDIS].add(k(3), k(2))
+    assert through.on_stored(Tier.CPU, keys, parents) == every[1:], "not what Redis holds already"
