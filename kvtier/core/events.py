@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 from itertools import groupby
 from types import MappingProxyType
-from typing import ClassVar, NewType, cast
+from typing import ClassVar, NewType
 
 from kvtier.keys import BlockKey
 
@@ -180,8 +180,11 @@ class StoreBatch:
     blocks: tuple[StagedBlock, ...]
 
     def stores(self) -> list[Store]:
-        return [Store(self.pool, self.tier, b.key, b.parent, self.segment, b.slot, b.gen, b.granted)
-                for b in self.blocks]
+        return [self.store(b) for b in self.blocks]
+
+    def store(self, b: StagedBlock) -> Store:
+        """The store command of one of its blocks."""
+        return Store(self.pool, self.tier, b.key, b.parent, self.segment, b.slot, b.gen, b.granted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,20 +288,32 @@ class StoredBatch:
 MAX_RUN = 4096  # facts in one StoredBatch: about 300 KB on the wire, well inside an entry's 4 MiB
 
 
-def batched(facts: list[Stored | Removed]) -> list[Stored | StoredBatch | Removed]:
-    """The facts with each run of two or more consecutive `Stored` of one pool, tier and cause as
-    one StoredBatch (of at most MAX_RUN); the order of everything else kept."""
+def batched(facts: list[Stored | StoredBatch | Removed]) -> list[Stored | StoredBatch | Removed]:
+    """The facts with each run of consecutive `Stored` and `StoredBatch` of one pool, tier and
+    cause as one StoredBatch (of at most MAX_RUN; a run of one block as a `Stored`); the order of
+    everything else kept."""
     out: list[Stored | StoredBatch | Removed] = []
-    for key, group in groupby(facts, lambda f: (f.pool, f.tier, f.cause) if isinstance(f, Stored) else None):
-        run = list(group)
+    for key, group in groupby(facts, lambda f: None if isinstance(f, Removed) else (f.pool, f.tier, f.cause)):
         if key is None:  # removed facts, each as it is
-            out.extend(run)
+            out.extend(group)
             continue
-        for i in range(0, len(run), MAX_RUN):
-            part = cast(list[Stored], run[i:i + MAX_RUN])
-            out.append(part[0] if len(part) == 1 else StoredBatch(
-                part[0].pool, part[0].tier, part[0].cause, tuple(f.key for f in part), tuple(f.parent for f in part),
-                tuple(f.slot for f in part)))
+        keys: list[BlockKey] = []
+        parents: list[BlockKey | None] = []
+        slots: list[int] = []
+        for f in group:
+            if isinstance(f, Stored):
+                keys.append(f.key)
+                parents.append(f.parent)
+                slots.append(f.slot)
+            elif isinstance(f, StoredBatch):  # reported whole (a put's adopted blocks: kvtier/tiers/facts.py)
+                keys.extend(f.keys)
+                parents.extend(f.parents)
+                slots.extend(f.slots)
+        pool, tier, cause = key
+        for i in range(0, len(keys), MAX_RUN):
+            j = i + MAX_RUN
+            out.append(Stored(pool, keys[i], parents[i], tier, slots[i], cause) if len(keys) - i == 1 else
+                       StoredBatch(pool, tier, cause, tuple(keys[i:j]), tuple(parents[i:j]), tuple(slots[i:j])))
     return out
 
 

@@ -11,7 +11,7 @@ import time
 
 from structlog.typing import FilteringBoundLogger
 
-from kvtier.core.events import Removed, Store, Stored, Tier
+from kvtier.core.events import MAX_RUN, Cause, Removed, StagedBlock, Store, StoreBatch, Stored, StoredBatch, Tier
 from kvtier.core.outcomes import MOVED_IN, Count, Fact, Outcome, Received
 from kvtier.logs import LogThrottle
 from kvtier.tiers.pool import PoolRuntime
@@ -26,7 +26,7 @@ class Facts:
         # During an outage every transfer of a batch fails the same way: a line per reason every
         # few seconds, with a count; `failed` per tier counts every one (metrics).
         self.quiet = LogThrottle(log)
-        self._facts: list[Fact] = []
+        self._facts: list[Fact | StoredBatch] = []
 
     def report(self, rt: PoolRuntime, fact: Fact | None, t0: float) -> None:
         """Queue a command's outcome for the batch's publish; time it when it stored a block."""
@@ -35,28 +35,30 @@ class Facts:
         if fact is not None:
             self._facts.append(fact)
 
-    def report_many(self, rt: PoolRuntime, settled: list[tuple[Outcome, Received, str]], t0: float) -> None:
-        """`settle` and `report` for a batch's outcomes, in order. The common one, a block
-        stored and nothing more to tell (no news of Redis, nothing dropped), is counted and timed
-        for the batch at once: a granted put adopts tens of blocks a batch."""
-        plain: list[Fact] = []
-        for o, ev, detail in settled:
-            if o.count is Count.STORED and o.in_redis is None and not o.dropped and isinstance(o.fact, Stored):
-                plain.append(o.fact)
-                self._facts.append(o.fact)
-            else:
-                self.report(rt, self.settle(rt, o, ev, detail), t0)
-        if plain:
+    def report_adopted(self, rt: PoolRuntime, batch: StoreBatch, blocks: list[StagedBlock],
+                       got: list[tuple[Outcome, str] | None], t0: float) -> None:
+        """A put's granted `blocks` (of `batch`) as GrantBook.adopt_blocks left them. Those adopted
+        (None), the common case, are counted and timed at once and reported as stored_batch
+        facts, with no outcome or fact made a block; the rest as `report` has them."""
+        done = [b for b, r in zip(blocks, got) if r is None]
+        for i in range(0, len(done), MAX_RUN):
+            run = done[i:i + MAX_RUN]
+            self._facts.append(StoredBatch(rt.name, self.tier, Cause.STORE, tuple(b.key for b in run),
+                                           tuple(b.parent for b in run), tuple(b.slot for b in run)))
+        if done:
             c = rt.counters.tiers[self.tier.label]
-            c.add(Count.STORED, len(plain))
-            c.bytes_in += len(plain) * rt.layout.block_bytes
-            c.timed(time.perf_counter() - t0, len(plain))
+            c.add(Count.STORED, len(done))
+            c.bytes_in += len(done) * rt.layout.block_bytes
+            c.timed(time.perf_counter() - t0, len(done))
+        for b, r in zip(blocks, got):
+            if r is not None:
+                self.report(rt, self.settle(rt, r[0], batch.store(b), r[1]), t0)
 
     def add(self, fact: Fact) -> None:
         """A fact besides the command's own (an eviction to make room for it)."""
         self._facts.append(fact)
 
-    def take(self) -> list[Fact]:
+    def take(self) -> list[Fact | StoredBatch]:
         facts, self._facts = self._facts, []
         return facts
 

@@ -4,7 +4,7 @@ A client with a grant writes its block straight into the final arena slot (kvtie
 has the ring that carries grants to it): one pass over the bytes, where staging costs two, and
 the daemon never touches the payload. Its put names the slot; the cpu worker checks the header
 (READY, key, gen, length, and the tag that binds the key to the checksum) and flips it to
-VALID, a batch's blocks together (`adopt_many`). Readers verify the checksum the client
+VALID, a batch's blocks together (`adopt_blocks`). Readers verify the checksum the client
 wrote, as they verify every block, so a client that lies or keeps writing costs its own block (a
 miss), never another's bytes.
 
@@ -23,8 +23,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from kvtier.core.events import Failure, Store, Tier
 from kvtier.core.index import Entry
 from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
+from kvtier.keys import BlockKey
 from kvtier.logs import Log
 from kvtier.shm.flips import flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RING, RingFile
@@ -78,6 +80,24 @@ class Held:
             self.in_ring = deque(x for x in self.in_ring if self.holds(*x))
         if len(self.taken) > bound:
             self.taken = deque(x for x in self.taken if self.holds(x[1], x[2]))
+
+
+class Granted(Protocol):
+    """A block a put wrote into a granted slot, as its put names it (a StagedBlock or a Store)."""
+
+    @property
+    def key(self) -> BlockKey: ...
+    @property
+    def parent(self) -> BlockKey | None: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def gen(self) -> int: ...
+
+
+def _store(rt: PoolRuntime, segment: str, b: Granted) -> Store:
+    """The store command of a granted block, for an outcome other than adopted."""
+    return b if isinstance(b, Store) else Store(rt.name, Tier.CPU, b.key, b.parent, segment, b.slot, b.gen, True)
 
 
 class GrantBook:
@@ -134,57 +154,75 @@ class GrantBook:
         return self.adopt_many(rt, [ev])[0]
 
     def adopt_many(self, rt: PoolRuntime, evs: list[Store]) -> list[tuple[Outcome, str]]:
-        """`adopt` for a batch's granted stores, in batch order: the headers are gathered and
-        checked in one pass, and the READY -> VALID flips made in one pass, rather than three
-        header reads and writes per block. A header's tag must bind its key and checksum, as
-        every reader demands: a header mixed from two writers is refused here, not made VALID.
-        The outcome of each, with what a failure met."""
+        """`adopt` for a batch's granted stores, in batch order (`adopt_blocks` per segment, with
+        an outcome made for each block adopted)."""
+        got: list[tuple[Outcome, str] | None] = [None] * len(evs)
+        for segment in dict.fromkeys(ev.segment for ev in evs):
+            at = [i for i, ev in enumerate(evs) if ev.segment == segment]
+            for i, r in zip(at, self.adopt_blocks(rt, segment, [evs[i] for i in at])):
+                got[i] = r
+        return [(stored(ev, Tier.CPU, ev.slot), "") if r is None else r for ev, r in zip(evs, got)]
+
+    def adopt_blocks(self, rt: PoolRuntime, segment: str,
+                     blocks: Sequence[Granted]) -> list[tuple[Outcome, str] | None]:
+        """A batch's blocks put into slots granted to `segment`, in batch order: the headers are
+        gathered and checked in one pass, and the READY -> VALID flips made in one pass, rather
+        than three header reads and writes per block. A header's tag must bind its key and
+        checksum, as every reader demands: a header mixed from two writers is refused here, not
+        made VALID. Per block None where it was adopted (stored: the common case, for which the
+        caller makes one fact for the batch rather than an outcome a block), else its outcome
+        and what a failure met."""
         table, bb = rt.cpu.table, rt.layout.block_bytes
-        slots = np.fromiter((ev.slot for ev in evs), dtype=np.int64, count=len(evs))
+        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
         inside = ((slots >= 0) & (slots < table.n)).tolist()
         slots = np.where(inside, slots, 0)
         headers = table.headers(0, table.n)
         snap = headers[slots]  # a copy: the headers as the client left them
         # A gen no write leaves (negative, or past 63 bits) reads as odd: not written whole.
-        gens = np.fromiter((ev.gen if 0 <= ev.gen < 1 << 63 else 1 for ev in evs), dtype=np.uint64, count=len(evs))
-        keys = np.frombuffer(b"".join(ev.key for ev in evs), dtype="V32")
+        gens = np.fromiter((b.gen if 0 <= b.gen < 1 << 63 else 1 for b in blocks), dtype=np.uint64,
+                           count=len(blocks))
+        keys = np.frombuffer(b"".join(b.key for b in blocks), dtype="V32")
         ok = ((snap["magic"] == SLOT_MAGIC) & (snap["flags"] == Flags.READY) & (snap["gen"] == gens)
               & (gens % 2 == 0) & (snap["key"] == keys) & (snap["length"] == bb)).tolist()
         csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
-        out: list[tuple[Outcome, str]] = []
+        out: list[tuple[Outcome, str] | None] = []
         flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry), made VALID below
-        segments: dict[str, None] = {}  # those that used a grant, in batch order: topped up at the next flush
-        for j, ev in enumerate(evs):
+        index, placement, take = rt.cpu.index, rt.placement, self.take
+        used = False  # a grant of the segment was used: it is topped up at the next flush
+        for j, b in enumerate(blocks):
             if not inside[j]:
-                out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} outside the arena"))
+                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.BAD_STAGING),
+                            f"slot {b.slot} outside the arena"))
                 continue
-            e = rt.cpu.index.get(ev.key)
-            if e is not None and e.slot == ev.slot and (here := held(rt.placement, ev, Tier.CPU)) is not None:
+            e = index.get(b.key)
+            if e is not None and e.slot == b.slot and (here := held(placement, _store(rt, segment, b), Tier.CPU)):
                 out.append((here, ""))  # adopted already: a redelivery
                 continue
-            if not self.take(rt.name, ev.segment, ev.slot):
-                out.append((failed(ev, Tier.CPU, Failure.BAD_STAGING), f"slot {ev.slot} not granted to {ev.segment}"))
+            if not take(rt.name, segment, b.slot):
+                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.BAD_STAGING),
+                            f"slot {b.slot} not granted to {segment}"))
                 continue
-            segments[ev.segment] = None
-            if e is not None and (here := held(rt.placement, ev, Tier.CPU)) is not None:  # another put stored it first
-                self.release(rt, ev.slot)
+            used = True
+            if e is not None and (here := held(placement, _store(rt, segment, b), Tier.CPU)) is not None:
+                self.release(rt, b.slot)  # another put stored it first
                 out.append((here, ""))
                 continue
-            entry = rt.placement.claim(Tier.CPU, ev.slot, ev.key, ev.parent) \
-                if ok[j] and tags[j] == key_tag(ev.key, csums[j]) else None
+            entry = placement.claim(Tier.CPU, b.slot, b.key, b.parent) \
+                if ok[j] and tags[j] == key_tag(b.key, csums[j]) else None
             if entry is None:
-                self.release(rt, ev.slot)
-                out.append((failed(ev, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"))
+                self.release(rt, b.slot)
+                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.VERIFY),
+                            "granted slot changed, or not written whole"))
                 continue
             flips.append((j, entry))
-            out.append((stored(ev, Tier.CPU, ev.slot), ""))
-        for segment in segments:
+            out.append(None)
+        if used:
             self.want(rt.name, segment)
         if flips:
             at = [j for j, _ in flips]
             checked = snap[at]
             # The parent the put names, as the index has it (a warm restart reads it back from here).
-            checked["parent"] = np.frombuffer(b"".join(evs[j].parent or EMPTY_KEY for j in at), dtype="V32")
+            checked["parent"] = np.frombuffer(b"".join(blocks[j].parent or EMPTY_KEY for j in at), dtype="V32")
             try:
                 flip_valid(headers, slots[at], checked)
             except BaseException:  # claimed, never visible: emptied and freed, as a failed fill is

@@ -117,8 +117,7 @@ class TierWorker:
             rt.counters.tiers[self.tier.label].stale += len(ev.blocks) if isinstance(ev, StoreBatch) else 1
             return
         stamp = (d.envelope.epoch, d.envelope.seq)
-        cmds: list[Command] = [*await self._adopt_granted(rt, ev.stores(), stamp)] if isinstance(ev, StoreBatch) \
-            else [ev]
+        cmds: list[Command] = [*await self._adopt_granted(rt, ev, stamp)] if isinstance(ev, StoreBatch) else [ev]
         bad: MalformedEvent | None = None
         for cmd in cmds:  # a batch's blocks one by one, each fenced on its own (one stamp for all)
             try:
@@ -146,22 +145,23 @@ class TierWorker:
     def _queued(self, rt: PoolRuntime, key: BlockKey) -> bool:
         return (rt.name, key) in self._staged or (rt.name, key) in self._redis or (rt.name, key) in self._moves
 
-    async def _adopt_granted(self, rt: PoolRuntime, cmds: list[Store], stamp: tuple[int, int]) -> list[Store]:
-        """A batch's stores into granted cpu slots, adopted together (GrantBook.adopt_many), each
-        fenced and reported on its own; then the client's ring refilled (per put: once a batch runs
-        dry while the client is puts ahead). The batch's other stores (all, where no grants), for `_command`."""
+    async def _adopt_granted(self, rt: PoolRuntime, batch: StoreBatch, stamp: tuple[int, int]) -> list[Store]:
+        """A batch's blocks put into granted cpu slots, adopted together (GrantBook.adopt_blocks),
+        each fenced on its own, those adopted reported as one stored_batch (no command or outcome
+        a block); then the client's ring refilled (per put: once a batch runs dry while the
+        client is puts ahead). The batch's other stores (all, where no grants), for `_command`."""
         if self.grants is None or rt.cpu.device_payload is not None:
-            return cmds
-        todo = [ev for ev in cmds if ev.granted and not self._fenced(rt, ev, stamp)]
+            return batch.stores()
+        todo = [b for b in batch.blocks if b.granted and not (
+            self.fence.stale(rt.name, b.key, stamp) and self._fenced(rt, batch.store(b), stamp))]
         if todo:
             t0 = time.perf_counter()
-            if any(self._queued(rt, ev.key) for ev in todo):
+            if any(self._queued(rt, b.key) for b in todo):
                 await self._drain()  # per-block order holds within a batch too
-            adopted = self.grants.adopt_many(rt, todo)
-            self.facts.report_many(rt, [(o, ev, detail) for ev, (o, detail) in zip(todo, adopted)], t0)
-            self._fences.extend((rt.name, ev.key, stamp) for ev in todo)
+            self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch.segment, todo), t0)
+            self._fences.extend((rt.name, b.key, stamp) for b in todo)
             await self.grants.top_up(self._make_room)
-        return [ev for ev in cmds if not ev.granted]
+        return [batch.store(b) for b in batch.blocks if not b.granted]
 
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
         if self._fenced(rt, ev, stamp):

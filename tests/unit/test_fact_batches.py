@@ -16,14 +16,22 @@ removed = st.builds(Removed, st.sampled_from(["a", "b"]), st.sampled_from(KEYS),
                     st.just(Cause.STORE), st.just(Failure.NO_ROOM))
 
 
+# A worker reports a put's adopted blocks as one StoredBatch (kvtier/tiers/facts.py): in a batch's
+# facts it sits beside single facts, and runs on into them.
+batch = st.builds(lambda pool, cause, n, slot: StoredBatch(pool, Tier.CPU, cause, tuple(KEYS[:n]),
+                                                           (None, *KEYS[:n - 1]), tuple(range(slot, slot + n))),
+                  st.sampled_from(["a", "b"]), st.sampled_from([Cause.STORE, Cause.PROMOTE]), st.integers(1, 8),
+                  st.integers(0, 100))
+
+
 def expand(events) -> list:
     return [f for e in events for f in (e.facts() if isinstance(e, StoredBatch) else [e])]
 
 
-@given(st.lists(st.one_of(stored, stored, removed), max_size=40))
+@given(st.lists(st.one_of(stored, stored, removed, batch), max_size=40))
 def test_batches_stand_for_exactly_the_facts_in_order(facts):
     out = batched(facts)
-    assert expand(out) == facts
+    assert expand(out) == expand(facts)
     for e in out:
         if isinstance(e, StoredBatch):
             assert len(e.keys) >= 2  # a lone stored fact stays as it is
@@ -37,6 +45,12 @@ def test_a_put_of_64_blocks_is_one_fact():
     facts = [Stored("p", KEYS[i % 8], None, Tier.CPU, i, Cause.STORE) for i in range(64)]
     (one,) = batched(facts)
     assert isinstance(one, StoredBatch) and one.slots == tuple(range(64))
+    # Its granted head adopted as one batch, its staged tail stored block by block: still one fact.
+    head = StoredBatch("p", Tier.CPU, Cause.STORE, tuple(f.key for f in facts[:40]), (None,) * 40, tuple(range(40)))
+    (again,) = batched([head, *facts[40:]])
+    assert again == one
+    (lone,) = batched([StoredBatch("p", Tier.CPU, Cause.STORE, (KEYS[0],), (None,), (7,))])
+    assert lone == Stored("p", KEYS[0], None, Tier.CPU, 7, Cause.STORE)
 
 
 def test_columns_of_different_lengths_stand_for_nothing():
