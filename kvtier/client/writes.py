@@ -36,6 +36,7 @@ MAX_PIN_TTL_S = 7 * 86400  # a pin longer than this is a mistake (the daemon cut
 # Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
 SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
 STAGING_POLL_S = 0.002  # while a put waits for staging room (wait_s): the daemon frees slots as it stores
+RESIDENT_POLL_S = 0.002  # wait_resident: a poll looks up only the keys not yet seen resident
 
 
 class ClientWrites:
@@ -202,13 +203,21 @@ class ClientWrites:
                 raise RedisUnavailable(f"pin of {len(bkeys)} blocks not sent: {type(e).__name__}: {e}") from e
 
     async def wait_resident(self, pool: str, keys: Sequence[bytes], timeout: float = 5.0) -> bool:
-        """Wait until all `keys` are resident locally (e.g. after put or prefetch), or time out."""
+        """Wait until all `keys` are resident locally at once (e.g. after put or prefetch), or
+        time out. Each poll looks up only the keys from the first one not yet seen resident (a
+        long put's blocks become visible head first: polling all of them was a lookup of every
+        key each millisecond), and all of them once more at the end, as one may have left since."""
         deadline = time.monotonic() + timeout
-        while self.lookup(pool, keys).length < len(keys):
+        seen = 0  # keys[:seen] were resident when last looked up
+        while True:
+            seen += self.lookup(pool, keys[seen:]).length
+            if seen == len(keys):
+                seen = self.lookup(pool, keys).length
+                if seen == len(keys):
+                    return True
             if time.monotonic() > deadline:
                 return False
-            await asyncio.sleep(0.005)
-        return True
+            await asyncio.sleep(RESIDENT_POLL_S)
 
 
 def _check_tenant(tenant: str) -> None:
