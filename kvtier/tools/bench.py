@@ -62,10 +62,11 @@ def run_arena(args, url: str, workdir: Path, out: dict) -> None:
 
 
 def arena_blocks(n: int, quick: bool, block_bytes: int) -> int:
-    """Arena slots for a working set of n blocks: below the high watermark, so nothing is shed;
-    and, but with --quick, room for a client's default grants sixteen times over (kvtier/tiers/grants.py:
-    a client holds a sixteenth of the arena at most), so that a toy arena's size does not cut them
-    as a real one would not: 2,048 slots of 2 MiB, 65,536 of 64 KiB (4 GiB either way)."""
+    """Arena slots for a working set of n blocks (every put round's): below the high watermark, so
+    nothing is shed; and, but with --quick, room for a client's default grants sixteen times over
+    (kvtier/tiers/grants.py: a client holds a sixteenth of the arena at most), so that a toy
+    arena's size does not cut them as a real one would not: 2,048 slots of 2 MiB, 65,536 of 64 KiB
+    (4 GiB either way)."""
     d = DaemonConfig()
     grants = min(d.grant_blocks, d.grant_bytes // block_bytes)
     return int(n / 0.85) + 16 if quick else max(int(n / 0.85) + 16, CLIENT_SHARE * grants)
@@ -79,7 +80,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
     n = 64 if quick else (256 << 20) // bb
     say(f"get and put of {n} blocks of {kib} KiB")
     (workdir / f"small{kib}").mkdir()
-    env = Env(layout, arena_blocks(n, quick, bb), workdir / f"small{kib}")
+    env = Env(layout, arena_blocks(n * repeat, quick, bb), workdir / f"small{kib}")
     try:
         row = asyncio.run(small_block_rows(env, n, repeat))
     finally:
@@ -97,7 +98,7 @@ def run_arena_bench(args) -> int:
     out: dict = {"quick": args.quick, "blocks": n, "block_bytes": bb}
     out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        env = Env(layout, arena_blocks(n, args.quick, bb), Path(tmp))
+        env = Env(layout, arena_blocks(n * repeat, args.quick, bb), Path(tmp))
         try:
             say(f"get and put over {n} blocks, arena on /dev/shm's pages")
             asyncio.run(daemon_rows(env, n, repeat, out))
@@ -106,7 +107,7 @@ def run_arena_bench(args) -> int:
             env.close()
         if args.arena_huge_dir:
             (Path(tmp) / "huge").mkdir()
-            env = Env(layout, arena_blocks(n, args.quick, bb), Path(tmp) / "huge",
+            env = Env(layout, arena_blocks(n * repeat, args.quick, bb), Path(tmp) / "huge",
                       policy_toml=arena_toml(args.arena_huge_dir))
             try:
                 say(f"get and put over {n} blocks, arena on 2 MiB pages ({args.arena_huge_dir})")
@@ -138,7 +139,7 @@ def run_bench(args) -> int:
     say(f"memcpy bound over {n * bb / (1 << 20):.0f} MiB")
     out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        env = Env(layout, arena_blocks(n, quick, bb), Path(tmp))
+        env = Env(layout, arena_blocks(n * repeat, quick, bb), Path(tmp))
         try:
             say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
             asyncio.run(daemon_rows(env, n, repeat, out))
