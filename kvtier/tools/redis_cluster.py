@@ -10,6 +10,7 @@ again comes back empty (its nodes.conf keeps its id and slots), as a cache-only 
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvtier.processes import die_with_parent, stop_processes
 
@@ -31,10 +34,36 @@ FORM_TIMEOUT_S = 30.0
 SLOTS = 16384
 
 
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """A redis-server could not listen: its port was taken after `free_port` chose it."""
+
+
 def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range: the one the kernel picks is
+    where outgoing connections take theirs too, and in a busy test run one took such a port
+    before the server it was for could listen on it. The kernel's own pick if none is found."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_for(cond: Callable[[], object], what: str, timeout: float) -> None:
@@ -53,6 +82,8 @@ class ClusterNode:
         self.port = free_port()
         self.bus_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once started, its ports are the node's for good
+        self._log_from = 0
 
     @property
     def addr(self) -> str:
@@ -63,28 +94,46 @@ class ClusterNode:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        """Start, or start again: the same node id and slots (nodes.conf), with no data."""
+        """Start, or start again: the same node id and slots (nodes.conf), with no data. A first
+        start whose port another process took since `free_port` found it free (the tests start
+        many servers side by side) tries again on new ports; a start again keeps its ports, which
+        the other nodes know."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
         self.dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            exe, "--bind", "127.0.0.1", "--port", str(self.port), "--cluster-port", str(self.bus_port),
-            "--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
-            "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-require-full-coverage", "no",
-            "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
-        ]  # fmt: skip
-        with open(self.dir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent)
-        wait_for(self._ready, f"PING on {self.addr}", START_TIMEOUT_S)
+        for attempt in range(PORT_TRIES):
+            args = [
+                exe, "--bind", "127.0.0.1", "--port", str(self.port), "--cluster-port", str(self.bus_port),
+                "--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-require-full-coverage", "no",
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
+            ]  # fmt: skip
+            with open(self.dir / "redis.log", "ab") as log:
+                self._log_from = log.tell()  # what this attempt writes, for `_ready`
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             preexec_fn=die_with_parent)
+            try:
+                wait_for(self._ready, f"PING on {self.addr}", START_TIMEOUT_S)
+            except PortTaken:
+                if self._started or attempt == PORT_TRIES - 1:
+                    raise
+                self.port, self.bus_port = free_port(), free_port()
+                (self.dir / "nodes.conf").unlink(missing_ok=True)  # a new node, on its new ports
+                continue
+            self._started = True
+            return
 
     def _ready(self) -> bool:
         if not self.running:
-            tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"redis-server exited early:\n{tail}")
-        try:
-            with self.client(timeout=0.5) as c:
+            with open(self.dir / "redis.log", "rb") as f:
+                f.seek(self._log_from)
+                tail = f.read().decode(errors="replace")[-2000:]
+            taken = "Address already in use" in tail
+            raise (PortTaken if taken else RuntimeError)(f"redis-server exited early:\n{tail}")
+        try:  # one try a poll: redis-py's own retries would wait seconds on a port not served yet
+            with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0)) as c:
                 return bool(c.ping())
         except (redis.ConnectionError, redis.TimeoutError):
             return False
