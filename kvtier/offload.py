@@ -21,7 +21,10 @@ S = TypeVar("S", bound=Sequence[Any])
 # some microseconds of Python (slicing, the tag and hash calls) hold the GIL, and at 64 KiB two
 # threads contending for it ran a get at 0.31-0.41x memcpy against 0.45-0.47x in one; at 256 KiB
 # two threads won (11.0 against 8.9 GB/s), at 128 KiB one did, slightly (docs/performance.md).
-# A put's fills are not held to it: at 64 KiB one thread halved the put's rate.
+# A put's fills are held to it too (since the eighth stop of issue 31; an earlier measurement,
+# with more Python a block on both sides, had one thread halve a 64 KiB put's rate): in one
+# thread a 64 KiB put's rounds ran at 35,000-43,000 blocks/s with 23 us of client CPU a block,
+# in two at 27,000-41,000 with 24-31 us, the first round the slowest (docs/performance.md).
 SHARED_MIN_BLOCK = 256 << 10
 
 

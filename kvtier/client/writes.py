@@ -28,6 +28,7 @@ from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
 from kvtier.keys import BlockKey, check_key, check_keys, encode_tokens
 from kvtier.logs import LogThrottle
+from kvtier.offload import share_threads
 from kvtier.processes import pid_alive
 from kvtier.shm.staging import StagingWriter
 
@@ -45,6 +46,7 @@ class ClientWrites:
     _access: AccessReports
     desc: Descriptor
     stats: ClientStats
+    _copy_threads: int
     quiet: LogThrottle
 
     if TYPE_CHECKING:  # the other parts of Client (for the type checker only: see client/reads.py)
@@ -141,9 +143,10 @@ class ClientWrites:
             return 0
         try:
             write = writer(w, len(staged), off)
-            with p.in_use():
+            nbytes = len(staged) * p.block_bytes
+            with p.in_use():  # small blocks in one thread, as a get's (offload.share_threads)
                 staged = await self._copy(lambda share: [write(i, b) for i, b in share], list(enumerate(staged)),
-                                          len(staged) * p.block_bytes)
+                                          nbytes, share_threads(self._copy_threads, len(staged), nbytes))
         except BaseException:
             w.unstage(staged)
             raise
