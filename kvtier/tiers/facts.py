@@ -11,7 +11,7 @@ import time
 
 from structlog.typing import FilteringBoundLogger
 
-from kvtier.core.events import MAX_RUN, Cause, Removed, StagedBlock, Store, StoreBatch, Stored, StoredBatch, Tier
+from kvtier.core.events import Cause, Removed, StagedBlock, Store, StoreBatch, Stored, StoredBatch, Tier
 from kvtier.core.outcomes import MOVED_IN, Count, Fact, Outcome, Received
 from kvtier.logs import LogThrottle
 from kvtier.tiers.pool import PoolRuntime
@@ -41,11 +41,9 @@ class Facts:
         (None), the common case, are counted and timed at once and reported as stored_batch
         facts, with no outcome or fact made a block; the rest as `report` has them."""
         done = [b for b, r in zip(blocks, got) if r is None]
-        for i in range(0, len(done), MAX_RUN):
-            run = done[i:i + MAX_RUN]
-            self._facts.append(StoredBatch(rt.name, self.tier, Cause.STORE, tuple(b.key for b in run),
-                                           tuple(b.parent for b in run), tuple(b.slot for b in run)))
-        if done:
+        if done:  # one fact, cut to MAX_RUN when published (core/events.py `batched`)
+            self._facts.append(StoredBatch(rt.name, self.tier, Cause.STORE, tuple(b.key for b in done),
+                                           tuple(b.parent for b in done), tuple(b.slot for b in done)))
             c = rt.counters.tiers[self.tier.label]
             c.add(Count.STORED, len(done))
             c.bytes_in += len(done) * rt.layout.block_bytes

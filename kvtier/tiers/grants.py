@@ -25,15 +25,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from kvtier.core.events import Failure, Store, Tier
+from kvtier.core.events import Failure, StagedBlock, Store, StoreBatch, Tier
 from kvtier.core.index import Entry
 from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
-from kvtier.keys import BlockKey
 from kvtier.logs import Log
 from kvtier.shm.flips import flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RING, RingFile
@@ -80,24 +78,6 @@ class Held:
             self.in_ring = deque(x for x in self.in_ring if self.holds(*x))
         if len(self.taken) > bound:
             self.taken = deque(x for x in self.taken if self.holds(x[1], x[2]))
-
-
-class Granted(Protocol):
-    """A block a put wrote into a granted slot, as its put names it (a StagedBlock or a Store)."""
-
-    @property
-    def key(self) -> BlockKey: ...
-    @property
-    def parent(self) -> BlockKey | None: ...
-    @property
-    def slot(self) -> int: ...
-    @property
-    def gen(self) -> int: ...
-
-
-def _store(rt: PoolRuntime, segment: str, b: Granted) -> Store:
-    """The store command of a granted block, for an outcome other than adopted."""
-    return b if isinstance(b, Store) else Store(rt.name, Tier.CPU, b.key, b.parent, segment, b.slot, b.gen, True)
 
 
 class GrantBook:
@@ -159,19 +139,22 @@ class GrantBook:
         got: list[tuple[Outcome, str] | None] = [None] * len(evs)
         for segment in dict.fromkeys(ev.segment for ev in evs):
             at = [i for i, ev in enumerate(evs) if ev.segment == segment]
-            for i, r in zip(at, self.adopt_blocks(rt, segment, [evs[i] for i in at])):
+            batch = StoreBatch(rt.name, Tier.CPU, segment,
+                               tuple(StagedBlock(evs[i].key, evs[i].parent, evs[i].slot, evs[i].gen, True) for i in at))
+            for i, r in zip(at, self.adopt_blocks(rt, batch, batch.blocks)):
                 got[i] = r
         return [(stored(ev, Tier.CPU, ev.slot), "") if r is None else r for ev, r in zip(evs, got)]
 
-    def adopt_blocks(self, rt: PoolRuntime, segment: str,
-                     blocks: Sequence[Granted]) -> list[tuple[Outcome, str] | None]:
-        """A batch's blocks put into slots granted to `segment`, in batch order: the headers are
-        gathered and checked in one pass, and the READY -> VALID flips made in one pass, rather
+    def adopt_blocks(self, rt: PoolRuntime, batch: StoreBatch,
+                     blocks: Sequence[StagedBlock]) -> list[tuple[Outcome, str] | None]:
+        """`blocks` of `batch`, put into slots granted to its segment, in batch order: the headers
+        are gathered and checked in one pass, and the READY -> VALID flips made in one pass, rather
         than three header reads and writes per block. A header's tag must bind its key and
         checksum, as every reader demands: a header mixed from two writers is refused here, not
         made VALID. Per block None where it was adopted (stored: the common case, for which the
         caller makes one fact for the batch rather than an outcome a block), else its outcome
         and what a failure met."""
+        segment = batch.segment
         table, bb = rt.cpu.table, rt.layout.block_bytes
         slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
         inside = ((slots >= 0) & (slots < table.n)).tolist()
@@ -191,19 +174,19 @@ class GrantBook:
         used = False  # a grant of the segment was used: it is topped up at the next flush
         for j, b in enumerate(blocks):
             if not inside[j]:
-                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.BAD_STAGING),
+                out.append((failed(batch.store(b), Tier.CPU, Failure.BAD_STAGING),
                             f"slot {b.slot} outside the arena"))
                 continue
             e = index.get(b.key)
-            if e is not None and e.slot == b.slot and (here := held(placement, _store(rt, segment, b), Tier.CPU)):
+            if e is not None and e.slot == b.slot and (here := held(placement, batch.store(b), Tier.CPU)):
                 out.append((here, ""))  # adopted already: a redelivery
                 continue
             if not take(rt.name, segment, b.slot):
-                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.BAD_STAGING),
+                out.append((failed(batch.store(b), Tier.CPU, Failure.BAD_STAGING),
                             f"slot {b.slot} not granted to {segment}"))
                 continue
             used = True
-            if e is not None and (here := held(placement, _store(rt, segment, b), Tier.CPU)) is not None:
+            if e is not None and (here := held(placement, batch.store(b), Tier.CPU)) is not None:
                 self.release(rt, b.slot)  # another put stored it first
                 out.append((here, ""))
                 continue
@@ -211,7 +194,7 @@ class GrantBook:
                 if ok[j] and tags[j] == key_tag(b.key, csums[j]) else None
             if entry is None:
                 self.release(rt, b.slot)
-                out.append((failed(_store(rt, segment, b), Tier.CPU, Failure.VERIFY),
+                out.append((failed(batch.store(b), Tier.CPU, Failure.VERIFY),
                             "granted slot changed, or not written whole"))
                 continue
             flips.append((j, entry))

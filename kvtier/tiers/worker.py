@@ -158,7 +158,7 @@ class TierWorker:
             t0 = time.perf_counter()
             if any(self._queued(rt, b.key) for b in todo):
                 await self._drain()  # per-block order holds within a batch too
-            self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch.segment, todo), t0)
+            self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch, todo), t0)
             self._fences.extend((rt.name, b.key, stamp) for b in todo)
             await self.grants.top_up(self._make_room)
         return [batch.store(b) for b in batch.blocks if not b.granted]

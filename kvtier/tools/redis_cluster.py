@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -83,7 +84,6 @@ class ClusterNode:
         self.bus_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._started = False  # once started, its ports are the node's for good
-        self._log_from = 0
 
     @property
     def addr(self) -> str:
@@ -110,11 +110,11 @@ class ClusterNode:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
             ]  # fmt: skip
             with open(self.dir / "redis.log", "ab") as log:
-                self._log_from = log.tell()  # what this attempt writes, for `_ready`
+                log_from = log.tell()  # what this attempt writes, for `_ready`
                 self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              preexec_fn=die_with_parent)
             try:
-                wait_for(self._ready, f"PING on {self.addr}", START_TIMEOUT_S)
+                wait_for(partial(self._ready, log_from), f"PING on {self.addr}", START_TIMEOUT_S)
             except PortTaken:
                 if self._started or attempt == PORT_TRIES - 1:
                     raise
@@ -124,23 +124,24 @@ class ClusterNode:
             self._started = True
             return
 
-    def _ready(self) -> bool:
+    def _ready(self, log_from: int) -> bool:
         if not self.running:
             with open(self.dir / "redis.log", "rb") as f:
-                f.seek(self._log_from)
+                f.seek(log_from)
                 tail = f.read().decode(errors="replace")[-2000:]
             taken = "Address already in use" in tail
             raise (PortTaken if taken else RuntimeError)(f"redis-server exited early:\n{tail}")
         try:  # one try a poll: redis-py's own retries would wait seconds on a port not served yet
-            with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
-                             retry=Retry(NoBackoff(), 0)) as c:
+            with self.client(timeout=0.5, retry=False) as c:
                 return bool(c.ping())
         except (redis.ConnectionError, redis.TimeoutError):
             return False
 
-    def client(self, timeout: float = 5.0) -> redis.Redis:
-        """A plain client of this one node (no redirects followed); the caller closes it."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
+    def client(self, timeout: float = 5.0, retry: bool = True) -> redis.Redis:
+        """A plain client of this one node (no redirects followed); the caller closes it.
+        `retry` False: one try a command, not redis-py's own retries."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout,
+                           **({} if retry else {"retry": Retry(NoBackoff(), 0)}))
 
     def node_id(self) -> str:
         with self.client() as c:
