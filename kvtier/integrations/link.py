@@ -9,7 +9,9 @@ must not wait. So the link:
   to connect every `retry_s` (`mismatch_retry_s` after a pool that did not fit: mapping every
   pool is not free). The engine's threads only read `client()`: the live `SyncClient`, or None;
 - raises `PoolMismatch` from the first connection (`start(first=True)`), so that the engine's
-  start fails with the reason; later mismatches keep the link down and are logged once;
+  start fails with the reason; later mismatches keep the link down and are logged once. Or
+  (`start(wait_s=...)`) lets the watcher make that first try and waits for it, bounded: an
+  engine's first request, which may come the moment the engine is ready, finds the link up;
 - guards every call (`guard`): any kvtier failure is the caller's miss value, a counter and a
   line throttled per operation and kind, never an exception in the engine.
 
@@ -25,13 +27,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.client import ManifestEntry, NamespaceConflict, SyncClient
-from kvtier.client.pools import ClientPool
-from kvtier.errors import RedisUnavailable, UnknownPool
+from kvtier.errors import RedisUnavailable
 from kvtier.integrations.counters import Counters
+from kvtier.integrations.pool_spec import PoolMismatch, PoolSpec
 from kvtier.logs import LogThrottle
 
 T = TypeVar("T")
@@ -50,43 +51,6 @@ LINK_COUNTERS = (
     "redis_errors",  # calls that failed on Redis (unreachable, refused)
     "errors",  # calls that failed otherwise (answered as misses)
 )
-
-
-class PoolMismatch(ValueError):
-    """The daemon's pool cannot hold the engine's blocks (absent, or another size or layout); the
-    message says how to configure it."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """What an engine needs of its kvtier pool: its name, and (when known) the block's bytes,
-    tokens and dtype. The wording of each mismatch is the integration's, in its engine's terms
-    (`{name}`, `{have}`: the pool's value, `{want}`: the engine's); `howto()` says how to
-    configure a pool that fits."""
-
-    name: str
-    block_bytes: int | None = None
-    block_tokens: int | None = None
-    dtype: str | None = None
-    howto: Callable[[], str] = lambda: ""
-    tokens_msg: str = "the engine's blocks hold {want} tokens but kvtier pool {name!r} has block_tokens = {have}"
-    bytes_msg: str = "the engine's blocks are {want} bytes but kvtier pool {name!r} holds blocks of {have} bytes"
-    dtype_msg: str = "the engine's KV dtype is {want} but kvtier pool {name!r} has dtype {have}"
-
-    def check(self, client: SyncClient) -> ClientPool:
-        """The pool; PoolMismatch unless it holds the engine's blocks."""
-        try:
-            p = client.pool(self.name)
-        except UnknownPool as e:
-            raise PoolMismatch(f"kvtier pool {self.name!r} is not served by the daemon ({e}). {self.howto()}") from e
-        problems = [msg.format(name=self.name, have=have, want=want) for msg, have, want in (
-            (self.tokens_msg, p.layout.block_tokens, self.block_tokens),
-            (self.dtype_msg, p.layout.dtype, self.dtype),
-            (self.bytes_msg, p.block_bytes, self.block_bytes)) if want is not None and have != want]
-        if problems:
-            raise PoolMismatch(f"kvtier pool {self.name!r} does not fit: {'; '.join(problems)}; they must be "
-                               f"equal. {self.howto()}")
-        return p
 
 
 class EngineLink:
@@ -110,6 +74,7 @@ class EngineLink:
         self._closed = False
         self._next_try = 0.0
         self._wake = threading.Event()
+        self._tried = threading.Event()  # the watcher's first round is over (start's wait_s)
         self._watcher: threading.Thread | None = None
         self.mismatch = ""  # the last PoolMismatch or NamespaceConflict, while it keeps the link down
         # The manifest (core/manifest.py): the entry this engine registers, whether it has been
@@ -140,13 +105,17 @@ class EngineLink:
 
     # --- the connection ------------------------------------------------------------------------
 
-    def start(self, *, first: bool = False) -> EngineLink:
+    def start(self, *, first: bool = False, wait_s: float = 0.0) -> EngineLink:
         """Connect once now (with `first`, a PoolMismatch propagates: the engine's start fails with
-        it), then keep the connection up from the watcher thread."""
+        it), then keep the connection up from the watcher thread. Without `first`, the watcher
+        tries at once, and the caller waits up to `wait_s` for that try: an engine whose first
+        request comes as soon as it is ready finds a healthy daemon connected, and one that does
+        not answer delays its start by no more than that."""
         if first:
             self._connect(first=True)
         self._watcher = threading.Thread(target=self._watch, name=f"{self._component}-link", daemon=True)
         self._watcher.start()
+        self._tried.wait(wait_s)
         return self
 
     def client(self) -> SyncClient | None:
@@ -169,6 +138,7 @@ class EngineLink:
                     self._connect()
             except Exception as e:  # noqa: BLE001 - the watcher must outlive any surprise
                 self.quiet.warning(f"{self._component}.watch_failed", error=f"{type(e).__name__}: {e}")
+            self._tried.set()
             self._wake.wait(self._watch_s)
             self._wake.clear()
 

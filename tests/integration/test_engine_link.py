@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import torch
 from kvtier.client import DropReason, SyncClient
 from kvtier.errors import CallTimeout, KvtierError, RedisUnavailable
 from kvtier.integrations.counters import Counters
-from kvtier.integrations.link import LINK_COUNTERS, EngineLink, PoolMismatch, PoolSpec
+from kvtier.integrations.link import LINK_COUNTERS, EngineLink
+from kvtier.integrations.pool_spec import PoolMismatch, PoolSpec
 from tests.support.blocks import SHAPE, make_kv, same_bytes
 from tests.support.waiting import wait_until
 
@@ -43,6 +45,27 @@ def test_a_missing_daemon_is_a_miss_then_the_link_connects_when_it_comes(daemon_
         assert link.counters.snapshot()["daemon_lost"] == 1
         d.start()
         assert wait_until(link.client, timeout=10, message="and follows it back") is not c
+    finally:
+        link.close()
+
+
+def test_start_waits_for_the_first_try_so_the_first_call_finds_a_healthy_daemon(daemon_factory):
+    """`start(wait_s)` (the vLLM connector's): the watcher's first try is over when start returns.
+    With the daemon up the link is connected; with none, start returns on the failed try, well
+    before its bound."""
+    d = daemon_factory()
+    link = link_for(d.runtime_dir).start(wait_s=30)
+    try:
+        assert link.client() is not None
+        assert link.guard("lookup", "miss", lambda c: c.lookup("t", [bytes(32)]).length) == 0
+    finally:
+        link.close()
+    down = daemon_factory(start=False)
+    t0 = time.monotonic()
+    link = link_for(down.runtime_dir).start(wait_s=30)
+    try:
+        assert time.monotonic() - t0 < 30 and link.client() is None
+        assert link.counters.snapshot()["connect_failures"] >= 1
     finally:
         link.close()
 

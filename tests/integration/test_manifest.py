@@ -13,7 +13,8 @@ import structlog
 from kvtier.client import ManifestEntry
 from kvtier.core.manifest import manifest_key
 from kvtier.integrations.counters import Counters
-from kvtier.integrations.link import LINK_COUNTERS, EngineLink, PoolSpec
+from kvtier.integrations.link import LINK_COUNTERS, EngineLink
+from kvtier.integrations.pool_spec import PoolSpec
 from kvtier.runtime import STATS, read_json
 from kvtier.status import render_status
 from tests.support.waiting import wait_until

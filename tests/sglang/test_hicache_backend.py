@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvtier.integrations.link import PoolMismatch
+from kvtier.integrations.pool_spec import PoolMismatch
 from kvtier.integrations.sglang import KvtierHiCacheStorage
 from kvtier.integrations.sglang.hicache_config import ConfigError
 from kvtier.integrations.weights import WeightsUnknown

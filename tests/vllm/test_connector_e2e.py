@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess, make_model
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config
+from tests.vllm.conftest import BS, POOL, PROMPTS, SEPARATE_PROCESSES, connector_config
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the module's fixtures start five engines
 
@@ -45,7 +45,7 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     shutil.copytree(tiny_model, copy)
     other = make_model(tmp_path_factory.mktemp("other-weights"), seed=1)
     with EngineProcess(tiny_model, logs / "a1.log", connector_config(POOL, a.runtime_dir),
-                       prefix_caching=False, served_model_name="m") as e:
+                       prefix_caching=False, served_model_name="m", env=SEPARATE_PROCESSES) as e:
         rec["a1_first"] = e.generate(P1)
         # Write-through: the 11 blocks are in the cpu arena and in Redis once the daemon says so.
         wait_until(lambda: a.pool_stats(POOL).get("tiers", {}).get("redis", {}).get("copied_in", 0) >= 11,
@@ -62,13 +62,13 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     # though this engine loads the weights from another directory, serves them under another
     # name, and drafts tokens by n-gram speculation.
     with EngineProcess(copy, logs / "a2.log", connector_config(POOL, a.runtime_dir), served_model_name="m-copy",
-                       speculative_config=NGRAM) as e:
+                       speculative_config=NGRAM, env=SEPARATE_PROCESSES) as e:
         rec["a2_p2"] = e.generate(P2)
         rec["a2_log"] = e.log_text()
     rec["a_stats"] = a.pool_stats(POOL)
     # Node A, other weights served under the first engine's name: nothing of its KV is loaded.
     with EngineProcess(other, logs / "other.log", connector_config(POOL, a.runtime_dir), prefix_caching=False,
-                       served_model_name="m") as e:
+                       served_model_name="m", env=SEPARATE_PROCESSES) as e:
         rec["other_p1"] = e.generate(P1)
         rec["other_log"] = e.log_text()
     # The pool's manifest, as `kvtier status` shows it: two namespaces (the copy shares the first's).
@@ -79,7 +79,8 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     b_before = b.pool_stats(POOL)
     # The connector's defaults (a 20 ms Redis lookup, asked again on the next step if it ran out):
     # the first request on a fresh engine on a fresh node loads the whole prefix from Redis.
-    with EngineProcess(tiny_model, logs / "b.log", connector_config(POOL, b.runtime_dir)) as e:
+    with EngineProcess(tiny_model, logs / "b.log", connector_config(POOL, b.runtime_dir),
+                       env=SEPARATE_PROCESSES) as e:
         rec["b_p3"] = e.generate(P3)
         rec["b_log"] = e.log_text()
     rec["b_before"] = b_before
@@ -94,6 +95,13 @@ def test_first_run_computes_and_saves_every_full_prompt_block(scenario, baseline
     assert scenario["a_after_save"]["puts"] >= 11
     tiers = scenario["a_after_save"]["tiers"]
     assert tiers["gpu"]["blocks"] + tiers["cpu"]["blocks"] >= 11
+
+
+def test_these_engines_run_as_vllm_serve_does_the_connectors_halves_in_two_processes(scenario):
+    """The rest of tests/vllm runs engines in one process (conftest.py); these keep vLLM's
+    default, so the scheduler's metadata crosses to the worker as it does in a deployment."""
+    for log in ("a1_log", "a2_log", "other_log", "b_log"):
+        assert "(EngineCore pid=" in scenario[log] and "(Worker pid=" in scenario[log], log
 
 
 def test_exact_prompt_is_reused_within_one_engine(scenario, baseline):

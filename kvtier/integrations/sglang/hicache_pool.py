@@ -4,7 +4,7 @@ SGLang import here."""
 
 from __future__ import annotations
 
-from kvtier.integrations.link import PoolSpec
+from kvtier.integrations.pool_spec import PoolSpec
 
 
 def pool_help(pool: str, page_size: int | None, page_bytes: int | None) -> str:

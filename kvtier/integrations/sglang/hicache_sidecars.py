@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
 
 from kvtier.client import SyncClient
 from kvtier.integrations.counters import Counters, LogThrottle
-from kvtier.integrations.link import PoolSpec
+from kvtier.integrations.pool_spec import PoolSpec
 from kvtier.integrations.sglang import hicache_pages as pages
 from kvtier.integrations.sglang.hicache_config import HiCacheSettings
 from kvtier.integrations.sglang.hicache_namespace import PageNamespace

@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from kvtier.integrations.counters import Counters
-from kvtier.integrations.link import LINK_COUNTERS, EngineLink, PoolSpec
+from kvtier.integrations.link import LINK_COUNTERS, EngineLink
+from kvtier.integrations.pool_spec import PoolSpec
 
 log = logging.getLogger("vllm.kvtier")  # a child of vLLM's logger: its handlers and format
 
@@ -39,6 +40,13 @@ CONNECTOR_COUNTERS = (  # besides the link's own (LINK_COUNTERS), reported throu
     "save_dropped_blocks",  # no staging room in time, or the daemon unreachable
     "pinned_blocks",  # blocks finished requests asked kvtier to keep (kv_transfer_params pin_s), per chain
 )
+
+
+# How long a connector half's construction waits for its link's first connection. An engine in
+# one process took its first request within the second its scheduler half was made, before the
+# link's thread had connected, and recomputed a prefix the node held (test_disk_tier_e2e.py). A
+# daemon that is down fails the try at once; one that does not answer delays the start this much.
+FIRST_CONNECT_WAIT_S = 5.0
 
 
 class VllmLog:
@@ -77,4 +85,4 @@ def connector_link(pool: str, runtime_dir: str | None, staging_blocks: int, retr
     return EngineLink(runtime_dir=runtime_dir, spec=PoolSpec(pool),
                       counters=Counters(LINK_COUNTERS + CONNECTOR_COUNTERS), log=VllmLog(), retry_s=retry_s,
                       staging_blocks=staging_blocks, connect_timeout_s=10.0, call_timeout_s=call_timeout_s,
-                      component="vllm_connector").start()
+                      component="vllm_connector").start(wait_s=FIRST_CONNECT_WAIT_S)

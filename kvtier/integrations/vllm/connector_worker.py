@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from kvtier.client import ManifestEntry, ReadCounts, checksum_parts, checksum_stream
-from kvtier.integrations.link import EngineLink, PoolSpec
+from kvtier.integrations.link import EngineLink
+from kvtier.integrations.pool_spec import PoolSpec
 from kvtier.integrations.vllm.connector_config import (
     ConnectorSettings,
     KeyNamespace,

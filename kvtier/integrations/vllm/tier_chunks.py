@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.integrations.link import PoolSpec
+from kvtier.integrations.pool_spec import PoolSpec
 
 
 def primary_rows(view: memoryview) -> np.ndarray:
