@@ -86,6 +86,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
     finally:
         env.close()
     row["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
+    row["memcpy_block_gbps"] = memcpy_gbps(n * bb, repeat, block=bb)
     out.setdefault("small_blocks", {})[str(kib)] = row
 
 
@@ -138,6 +139,7 @@ def run_bench(args) -> int:
     out: dict = {"quick": quick, "blocks": n, "block_bytes": bb, "working_set_bytes": n * bb}
     say(f"memcpy bound over {n * bb / (1 << 20):.0f} MiB")
     out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
+    out["memcpy_block_gbps"] = memcpy_gbps(n * bb, repeat, block=bb)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         env = Env(layout, arena_blocks(n * repeat, quick, bb), Path(tmp))
         try:

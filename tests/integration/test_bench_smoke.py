@@ -44,6 +44,10 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
     import numpy as np
 
     assert np.isfinite(res["memcpy_gbps"]) and res["memcpy_gbps"] > 0
+    # Beside the bound, the same bytes copied a block at a time: a reference for the host, in
+    # the report too (docs/performance.md, the ninth stop: glibc's non-temporal threshold).
+    assert res["memcpy_block_gbps"] > 0 and all(x["memcpy_block_gbps"] > 0 for x in res["small_blocks"].values())
+    assert f"(a block at a time: {res['memcpy_block_gbps']:.2f})" in run.stdout
 
 
 def test_gpu_check_skips_cleanly_without_cuda() -> None:
