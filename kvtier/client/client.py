@@ -170,14 +170,15 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         """Longest prefix of `keys` resident on this node (gpu or cpu). No I/O: works with Redis down."""
         p = self.pool(pool)
         tiers: list[Tier] = []
-        for key in keys:
-            hit = p.locate(check_key(key))
-            if hit is None:
-                break
-            tiers.append(hit[0])
+        at, size = 0, 1  # chunks of 1, 4, 16...: a chain that misses early costs a probe or two
+        while at < len(keys):
+            for tier in p.located([check_key(k) for k in keys[at:at + size]]):
+                if tier is None:
+                    return Lookup(len(tiers), tuple(tiers))
+                tiers.append(tier)
+            at, size = at + size, size * 4
         return Lookup(len(tiers), tuple(tiers))
 
     def resident(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
         """Per key, not as a prefix: resident on this node (gpu or cpu). No I/O."""
-        p = self.pool(pool)
-        return [p.locate(check_key(k)) is not None for k in keys]
+        return [t is not None for t in self.pool(pool).located([check_key(k) for k in keys])]

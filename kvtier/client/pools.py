@@ -18,8 +18,13 @@ from kvtier.keys import BlockKey
 from kvtier.shm.directory import IN_REDIS, NO_SLOT, DirectoryReader
 from kvtier.shm.prefault import Prefault
 from kvtier.shm.segment import SHM_DIR, ShmSegment
+from kvtier.shm.slot_batch import holds, read_rows
 from kvtier.shm.slots import Flags, Kind, SlotTable
 from kvtier.shm.staging import StagingWriter
+
+# Fewer keys than this are located one by one: a batch probe's numpy set-up (tens of us) costs
+# more than a few per-key probes (a few us each).
+BATCH_MIN = 8
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -120,6 +125,16 @@ class ClientPool:
                     return tier, slot
         return None
 
+    def located(self, keys: Sequence[bytes]) -> list[Tier | None]:
+        """`locate`'s tier for each key (None: not on this node). Blocks the directory lists in
+        the cpu arena alone are probed and checked together (slot_batch.holds); the rest one by
+        one. A hint, as `locate`'s: a read verifies again."""
+        cpu = self.tables.get(Tier.CPU)
+        if not isinstance(cpu, SlotTable) or len(keys) < BATCH_MIN:
+            return [None if (hit := self.locate(k)) is None else hit[0] for k in keys]
+        held = holds(cpu, self.directory.cpu_slots(keys), keys).tolist()
+        return [Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0] for k, h in zip(keys, held)]
+
     def in_redis_hint(self, key: bytes) -> bool:
         row = self.directory.find(key)
         return row is not None and bool(row[2] & IN_REDIS)
@@ -162,7 +177,7 @@ class ClientPool:
         got = [False] * len(keys)
         cpu = self.tables.get(Tier.CPU)
         if isinstance(cpu, SlotTable) and keys:
-            got = cpu.read_rows(self.directory.cpu_slots(keys), keys, out, rows)
+            got = read_rows(cpu, self.directory.cpu_slots(keys), keys, out, rows)
         for j, ok in enumerate(got):
             if not ok:
                 got[j] = self.read(keys[j], torch.from_numpy(out[rows[j]]))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, cast
@@ -307,33 +307,6 @@ class SlotTable:
         if not self.end_read(slot, gen, key) or got != csum:
             return None
         return csum
-
-    def read_rows(self, slots: npt.NDArray[np.int64], keys: Sequence[bytes], out: npt.NDArray[np.uint8],
-                  rows: Sequence[int]) -> list[bool]:
-        """read_into for a batch: keys[j] from slots[j] into out[rows[j]] (out: [*, block_bytes]
-        uint8). The seqlock checks are vectorised over the batch (headers gathered before the
-        copies and again after: a gen unchanged at the later read was unchanged all along), so
-        per block only the copy and its hash remain. A False row was not read (torn, replaced,
-        corrupt, or a slot out of range): the caller tries the slow path for it."""
-        ok = (slots >= 0) & (slots < self.n)
-        idx = np.where(ok, slots, 0)
-        h = self.headers(0, self.n)
-        before = h[idx]  # a copy: the gathered headers as they were now
-        want = np.frombuffer(b"".join(keys), dtype="V32") if keys else np.empty(0, dtype="V32")
-        ok &= ((before["magic"] == SLOT_MAGIC) & (before["gen"] % 2 == 0) & (before["flags"] == Flags.VALID)
-               & (before["key"] == want) & (before["length"] == self.block_bytes))
-        payloads, bb = self.payloads(), self.block_bytes
-        sums = [0] * len(keys)
-        slots_at, tags, csums = idx.tolist(), before["tag"].tolist(), before["checksum"].tolist()
-        for j in np.flatnonzero(ok).tolist():
-            if tags[j] != key_tag(keys[j], csums[j]):
-                ok[j] = False  # a header whose key and checksum are not one writer's: a miss
-                continue
-            sums[j] = copy_hashed(out[rows[j]], payloads[slots_at[j], :bb])
-        after = h[idx]
-        ok &= ((after["gen"] == before["gen"]) & (after["key"] == want)
-               & (np.array(sums, dtype=np.uint64) == before["checksum"]))
-        return ok.tolist()  # type: ignore[no-any-return]
 
     def read_with(self, slot: int, key: bytes, copy_out: Callable[[npt.NDArray[np.uint8]], object],
                   digest: Callable[[], int], flags: int = Flags.VALID) -> int | None:

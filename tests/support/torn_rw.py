@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slot_batch import read_rows
 from kvtier.shm.slots import HEADER_OFF, SLOT_HDR, Kind, SlotTable, checksum
 
 NKEYS = 6
@@ -112,8 +113,8 @@ def _reader(arena: str, block_bytes: int, reads: int, seed: int, deadline_s: flo
             break
         if batch > 1 and not pending:
             picks = [_pick(rng, n, buf, i + j) for j in range(batch)]
-            got = table.read_rows(np.array([s for s, _ in picks], np.int64), [k for _, k in picks], rows,
-                                  range(batch))
+            got = read_rows(table, np.array([s for s, _ in picks], np.int64), [k for _, k in picks], rows,
+                            range(batch))
             # The checksum a success verified is the slot's: recompute it from the copy below.
             pending = [(s, k, checksum(rows[j]) if ok else None, rows[j]) for j, ((s, k), ok) in
                        enumerate(zip(picks, got))][::-1]

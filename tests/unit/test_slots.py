@@ -29,6 +29,7 @@ from kvtier.shm.directory import (
     directory_capacity,
 )
 from kvtier.shm.segment import ShmSegment
+from kvtier.shm.slot_batch import holds, read_rows
 from kvtier.shm.slots import Flags, Kind, SlotTable, checksum, segment_bytes
 from tests.support.waiting import wait_until
 
@@ -223,7 +224,7 @@ def test_reads_that_must_miss(new_seg) -> None:
 
 
 def test_read_rows_reads_a_batch_like_read_into_and_misses_the_same(new_seg) -> None:
-    """SlotTable.read_rows (a client's batch get) against read_into, block by block: the same
+    """slot_batch.read_rows (a client's batch get) against read_into, block by block: the same
     bytes for the blocks that check out, and a miss for a wrong key, an empty slot, a torn slot
     (odd gen), a corrupt payload, a slot out of range; rows it misses are left to the caller."""
     t = arena(new_seg)
@@ -232,14 +233,36 @@ def test_read_rows_reads_a_batch_like_read_into_and_misses_the_same(new_seg) -> 
     out = np.zeros((6, BB), np.uint8)
     slots = np.array([0, 1, 2, 3, 9, -1], np.int64)
     keys = [KA, KB, KB, KA, KA, KA]  # row 2: slot 2 holds PARENT, not KB; row 3: empty slot
-    assert t.read_rows(slots, keys, out, range(6)) == [True, True, False, False, False, False]
+    assert read_rows(t, slots, keys, out, range(6)) == [True, True, False, False, False, False]
     assert np.array_equal(out[0], block(1)) and np.array_equal(out[1], block(2))
     # Rows land where `rows` says, and a torn or corrupt slot is a miss.
     t.begin_write(0)
     t.payloads()[1, 5] ^= 0xFF
     out[:] = 0
-    assert t.read_rows(np.array([2, 0, 1], np.int64), [PARENT, KA, KB], out, [4, 0, 1]) == [True, False, False]
+    assert read_rows(t, np.array([2, 0, 1], np.int64), [PARENT, KA, KB], out, [4, 0, 1]) == [True, False, False]
     assert np.array_equal(out[4], block(3))
+
+
+def test_holds_answers_for_a_batch_as_begin_read_does_for_each(new_seg) -> None:
+    """slot_batch.holds (a client's batch lookup) against begin_read, slot by slot: a hit for a
+    complete block under its key; a miss for a wrong key, an empty slot, a slot out of range, a
+    torn slot (odd gen) and a header whose tag does not bind its key to its checksum."""
+    from kvtier.shm.slots import HEADER_OFF, SLOT_HDR, TAG_OFF
+
+    t = arena(new_seg)
+    for slot, (key, seed) in enumerate([(KA, 1), (KB, 2), (PARENT, 3)]):
+        t.write(slot, key, block(seed))
+    slots = np.array([0, 1, 2, 2, 3, 9, -1], np.int64)
+    keys = [KA, KB, PARENT, KB, KA, KA, KA]
+
+    def one_by_one() -> list[bool]:
+        return [0 <= s < t.n and t.begin_read(int(s), k) is not None for s, k in zip(slots.tolist(), keys)]
+
+    assert holds(t, slots, keys).tolist() == one_by_one() == [True, True, True, False, False, False, False]
+    t.begin_write(0)  # torn
+    off = HEADER_OFF + 1 * SLOT_HDR + TAG_OFF
+    t.seg.buf[off] ^= 0xFF  # slot 1's tag no longer binds KB to its checksum
+    assert holds(t, slots, keys).tolist() == one_by_one() == [False, False, True, False, False, False, False]
 
 
 WRITER = r"""
