@@ -125,15 +125,16 @@ class ClientPool:
                     return tier, slot
         return None
 
-    def located(self, keys: Sequence[bytes]) -> list[Tier | None]:
-        """`locate`'s tier for each key (None: not on this node). Blocks the directory lists in
-        the cpu arena alone are probed and checked together (slot_batch.holds); the rest one by
-        one. A hint, as `locate`'s: a read verifies again."""
+    def located(self, keys: Sequence[bytes]) -> Iterator[Tier | None]:
+        """`locate`'s tier for each key, in order (None: not on this node). Blocks the directory
+        lists in the cpu arena alone are probed and checked together (slot_batch.holds); the
+        rest one by one, as the caller comes to them: a prefix lookup stops at its first miss.
+        A hint, as `locate`'s: a read verifies again."""
         cpu = self.tables.get(Tier.CPU)
-        if not isinstance(cpu, SlotTable) or len(keys) < BATCH_MIN:
-            return [None if (hit := self.locate(k)) is None else hit[0] for k in keys]
-        held = holds(cpu, self.directory.cpu_slots(keys), keys).tolist()
-        return [Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0] for k, h in zip(keys, held)]
+        held = (holds(cpu, self.directory.cpu_slots(keys), keys).tolist()
+                if isinstance(cpu, SlotTable) and len(keys) >= BATCH_MIN else [False] * len(keys))
+        for k, h in zip(keys, held):
+            yield Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0]
 
     def in_redis_hint(self, key: bytes) -> bool:
         row = self.directory.find(key)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from kvtier.layout import BlockLayout
 from kvtier.tools.bench_env import Env, pool_toml
+from kvtier.tools.redis_cluster import free_port
 
 # The issue's model: an 8-layer random Llama, hidden 1024, 4 KV heads of 128, bf16 (16 KiB of KV
 # a token), so that a 2,048-token prefill is real work on a CPU. --quick: the tests' tiny one.
@@ -43,24 +43,18 @@ def _say(msg: str) -> None:
     print(f"kvtier bench --vllm: {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LMCacheServer:
     """LMCache 0.5.6's multi-process server (interop.md, section 6), in the peer's venv."""
 
     ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
     def __init__(self, python: str, workdir: Path, l1_gb: float) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = workdir / "lmcache-server.log"
         cmd = [python, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--chunk-size", "256", "--l1-size-gb", str(l1_gb), "--no-l1-use-lazy", "--eviction-policy", "LRU",
                "--supported-transfer-mode", "engine_driven", "--shm-name", f"kvtier-bench-lmcache-{self.port}",
-               "--prometheus-port", str(_free_port())]
+               "--prometheus-port", str(free_port())]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **self.ENV})
         deadline = time.monotonic() + 120

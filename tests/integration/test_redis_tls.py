@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import uuid
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import redis
 
 from kvtier.tools.daemon_process import DaemonProcess
+from kvtier.tools.redis_cluster import free_port
 from tests.support.daemon_proc import write_config
 from tests.support.waiting import wait_until
 from tests.support.workload import put_get_roundtrip
@@ -39,12 +39,6 @@ def _certs(d: Path) -> None:
              "-out", "server.crt", "-days", "1", "-extfile", "san.ext", cwd=d)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tls_redis(tmp_path):
     if shutil.which("openssl") is None:
@@ -52,7 +46,7 @@ def tls_redis(tmp_path):
     d = tmp_path / "tls"
     d.mkdir()
     _certs(d)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", "0", "--bind", "127.0.0.1", "--tls-port", str(port),
          "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
