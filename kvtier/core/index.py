@@ -76,7 +76,7 @@ class TierIndex:
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        e = self._entries.get(BlockKey(key)) if isinstance(key, bytes) else None
+        e = self._entries.get(key) if isinstance(key, bytes) else None  # type: ignore[call-overload]
         return e is not None and e.state is State.READY
 
     def get(self, key: BlockKey) -> Entry | None:

@@ -29,7 +29,7 @@ from kvtier.core.index import State, TierIndex
 from kvtier.core.knobs import PolicyKnobs
 from kvtier.core.residency import LOCAL, NODE
 from kvtier.core.shedding import Shedding
-from kvtier.core.write_through import copy_on_read
+from kvtier.core.write_through import copy_on_read, copy_on_read_on
 from kvtier.keys import BlockKey
 
 
@@ -43,21 +43,26 @@ class Promotion(Shedding):
         self._expire(now)
         out: list[Command] = []
         gpu, cpu, disk = self.tiers[Tier.GPU], self.tiers[Tier.CPU], self.tiers[Tier.DISK]
+        # A get of thousands of blocks is one call: what holds for the whole batch is asked once
+        # (an empty index touches nothing; copy_on_read copies nothing with its filter off).
+        leases, after = self._leases, self.knobs.promote_after_hits
+        on_gpu, on_disk, copies = bool(gpu.used), bool(disk.used), copy_on_read_on(self.knobs)
         for key in keys:
-            self._leases.pop(key, None)  # read: the lease has served its purpose
-            g = gpu.touch(key)
+            if leases:
+                leases.pop(key, None)  # read: the lease has served its purpose
+            g = gpu.touch(key) if on_gpu else None
             c = cpu.touch(key)
-            d = disk.touch(key)
-            if (g is None and c is not None and c.state is State.READY and self.room(Tier.GPU) > 0
-                    and c.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.GPU]):
+            d = disk.touch(key) if on_disk else None
+            if (g is None and c is not None and c.state is State.READY and c.hits >= after
+                    and key not in self._incoming[Tier.GPU] and self.room(Tier.GPU) > 0):
                 out.append(Promote(self.pool, key, c.parent, Tier.CPU, Tier.GPU, c.slot, 0))
                 self._incoming[Tier.GPU].add(key, c.parent, now + self.knobs.transfer_timeout_s)
-            elif (g is None and c is None and d is not None and d.state is State.READY and self.room(Tier.CPU) > 0
-                  and d.hits >= self.knobs.promote_after_hits and key not in self._incoming[Tier.CPU]):
+            elif (g is None and c is None and d is not None and d.state is State.READY and d.hits >= after
+                  and key not in self._incoming[Tier.CPU] and self.room(Tier.CPU) > 0):
                 # Read from disk often enough: back up into memory while cpu has a free slot.
                 out.append(Promote(self.pool, key, d.parent, Tier.DISK, Tier.CPU, d.slot, 0))
                 self._incoming[Tier.CPU].add(key, d.parent, now + self.knobs.transfer_timeout_s)
-            if (copy := copy_on_read(self, self.knobs, self.pool, key, g, c)) is not None:
+            if copies and (copy := copy_on_read(self, self.knobs, self.pool, key, g, c)) is not None:
                 out.append(copy)
         return out
 

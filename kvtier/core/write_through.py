@@ -34,6 +34,11 @@ def copy_for_fact(res: Residency, knobs: PolicyKnobs, pool: str, fact: Stored | 
     return None
 
 
+def copy_on_read_on(knobs: PolicyKnobs) -> bool:
+    """Whether copy_on_read can copy anything with these knobs."""
+    return knobs.redis_write is RedisWrite.WRITE_THROUGH and bool(knobs.redis_admit_after_hits)
+
+
 def copy_on_read(res: Residency, knobs: PolicyKnobs, pool: str, key: BlockKey, gpu: Entry | None,
                  cpu: Entry | None) -> Copy | None:
     """With the frequency filter (`redis_admit_after_hits` = N), a block is copied on its N-th read."""

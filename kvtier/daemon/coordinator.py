@@ -8,6 +8,7 @@ streams in one pipeline per batch. It never touches block bytes.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from kvtier.bus.consumer import Delivery
@@ -78,11 +79,10 @@ class Coordinator:
         if isinstance(ev, Put):
             cmds = self._put(rt, ev)
         elif isinstance(ev, Access):
-            for key in ev.keys:
-                t = rt.placement.where(key)
-                if t is not None and t != Tier.REDIS:
-                    rt.counters.tiers[t.label].hits += 1
-                    rt.placement.tenants.hit(key)
+            held = list(rt.placement.on_node(ev.keys))
+            for t, n in Counter(t for _, t in held).items():
+                rt.counters.tiers[t.label].hits += n
+            rt.placement.tenants.hit_many(k for k, _ in held)
             rt.counters.hits += len(ev.keys)
             rt.counters.misses += ev.missed
             cmds = rt.placement.on_access(ev.keys, time.monotonic())

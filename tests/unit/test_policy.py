@@ -329,6 +329,23 @@ def test_access_does_not_promote_what_gpu_has_nor_past_its_room() -> None:
     assert [c.key for c in p.on_access([k(2)], NOW)] == [k(2)]
 
 
+def test_a_read_report_finds_each_block_where_where_finds_it() -> None:
+    """Residency.on_node (the coordinator's tally of a read report) against `where`, key by key:
+    the highest tier on the node with a visible copy; Redis alone, a block still being written
+    and an unknown key are not on the node."""
+    p = placement(gpu=4, cpu=8, disk=4)
+    put(p, Tier.GPU, [1])
+    put(p, Tier.CPU, [1, 2])
+    put(p, Tier.DISK, [2, 3])
+    put(p, Tier.REDIS, [3, 4])
+    assert p.reserve(Tier.CPU, k(5), None) is not None  # PENDING: not visible yet
+    keys = [k(i) for i in (1, 2, 3, 4, 5, 6, 2)]
+    want = [(key, t) for key in keys if (t := p.where(key)) is not None and t is not Tier.REDIS]
+    assert list(p.on_node(keys)) == want == [(k(1), Tier.GPU), (k(2), Tier.CPU), (k(3), Tier.DISK),
+                                             (k(2), Tier.CPU)]
+    assert list(placement().on_node(keys)) == []  # every tier empty: nothing asked, nothing found
+
+
 def test_prefetch_promotes_only_non_local_keys_from_redis_with_chain_parents() -> None:
     p = placement()
     put(p, Tier.CPU, [1])

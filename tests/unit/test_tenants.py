@@ -75,6 +75,22 @@ def test_counters_are_bounded_however_many_tenants_come_and_go() -> None:
     assert len(u.hits) == COUNTED + 1 and u.hits["other"] == 50  # the first COUNTED by name, then "other"
 
 
+def test_hits_of_a_batch_count_as_each_hit_would_past_the_bound_too() -> None:
+    """hit_many (a read report's keys at once) against hit, key by key: the same counters, with
+    the first COUNTED owners named and the rest as "other", unowned blocks as the default."""
+    one, many = TenantUsage(), TenantUsage()
+    for u in (one, many):
+        for i in range(COUNTED + 30):
+            u.claim(key(i), f"t{i % (COUNTED + 10)}")
+    batch = [key(i) for i in range(COUNTED + 30)] + [key(5), key(10 ** 6), key(COUNTED + 3)]
+    for k in batch:
+        one.hit(k)
+    many.hit_many(batch[:7])
+    many.hit_many(batch[7:])
+    assert many.hits == one.hits
+    assert many.hits["t5"] == 3 and "" not in many.hits and many.hits["other"] == 12  # past the bound: unowned too
+
+
 def test_rules_refuse_nonsense_and_aliases_rename() -> None:
     with pytest.raises(ValueError):
         TenantRules(weights={"a": 0})
