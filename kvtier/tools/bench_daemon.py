@@ -16,12 +16,28 @@ from kvtier.tools.bench_basics import GB, best_time
 from kvtier.tools.bench_env import Env
 
 
-async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[dict, dict]:
+def process_cpu_s(pid: int) -> float:
+    """CPU time of `pid`'s threads so far, in seconds, from schedstat (nanoseconds, where
+    /proc/PID/stat counts 10 ms ticks: a 2 MiB put round takes a few of them)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
+async def put_get(client, n: int, repeat: int, salt: bytes = b"bench", daemon_pid: int | None = None
+                  ) -> tuple[dict, dict]:
     """put (sustained, in chains of 64 blocks, until every block is visible in the cpu tier) and
     get (all blocks into one caller tensor) of n blocks of the client's pool "b", each best of
     `repeat`, as the memcpy bound is: a put round is a new chain of the same bytes (its figure
     per round is kept too). The pool is sized for every round's blocks, so that none is shed:
-    every block read must be exactly the block put."""
+    every block read must be exactly the block put. The best put round's CPU per block, of this
+    process (the client, copy threads included) and of the daemon (`daemon_pid`), says whether a
+    put is bound by the copy or by per-block work."""
     import torch
 
     p = client.pool("b")
@@ -40,10 +56,12 @@ async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[
     while (f := p.prefault) is not None and f.done < f.size and f.error is None and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     rounds: list[float] = []
+    cpu: list[tuple[float, float | None]] = []  # each round's (client, daemon) CPU seconds
     chains = []
     for r in range(max(1, repeat)):
         keys = client.block_keys("b", tokens, salt=salt if r == 0 else salt + b"-%d" % r)
         chains.append(keys)
+        c0, d0 = time.process_time(), None if daemon_pid is None else process_cpu_s(daemon_pid)
         t0 = time.perf_counter()
         for i in range(0, n, 64):
             res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
@@ -54,7 +72,10 @@ async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[
         if not await client.wait_resident("b", keys, timeout=120):
             raise RuntimeError("put: blocks did not become visible")
         rounds.append(time.perf_counter() - t0)
+        cpu.append((time.process_time() - c0, None if d0 is None or daemon_pid is None
+                    else process_cpu_s(daemon_pid) - d0))
     put_s = min(rounds)
+    client_s, daemon_s = cpu[rounds.index(put_s)]
     dst = torch.empty_like(kv)
     best = float("inf")
     for _ in range(repeat):
@@ -64,7 +85,9 @@ async def put_get(client, n: int, repeat: int, salt: bytes = b"bench") -> tuple[
     ok = bool(np.array_equal(dst.view(torch.uint8).reshape(n, bb).numpy()[:got_n], data[:got_n]))
     kept = all(client.lookup("b", keys).length == n for keys in chains)  # no round shed another's blocks
     put = {"gbps": n * bb / put_s / GB, "blocks_per_s": n / put_s, "correct": ok and kept,
-           "rounds_blocks_per_s": [round(n / s) for s in rounds]}
+           "rounds_blocks_per_s": [round(n / s) for s in rounds], "client_cpu_us_per_block": 1e6 * client_s / n}
+    if daemon_s is not None:
+        put["daemon_cpu_us_per_block"] = 1e6 * daemon_s / n
     get = {"gbps": got_n * bb / best / GB, "blocks_per_s": got_n / best, "correct": ok, "blocks_read": got_n,
            "all_resident": got_n == n}
     return put, get
@@ -75,7 +98,7 @@ async def daemon_rows(env: Env, n: int, repeat: int, out: dict) -> None:
 
     env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=min(n, 256)) as client:
-        out["put"], out["get"] = await put_get(client, n, repeat)
+        out["put"], out["get"] = await put_get(client, n, repeat, daemon_pid=env.daemon.proc.pid)
         out["put"]["granted_blocks"] = granted(env)
         rng = np.random.default_rng(1)
         keys = client.block_keys("b", list(range(client.pool("b").layout.block_tokens)), salt=b"bench")
@@ -158,6 +181,6 @@ async def small_block_rows(env: Env, n: int, repeat: int) -> dict:
 
     env.wait_populated()
     async with await Client.connect(env.rdir, staging_blocks=256) as client:
-        put, get = await put_get(client, n, repeat)
+        put, get = await put_get(client, n, repeat, daemon_pid=env.daemon.proc.pid)
         put["granted_blocks"] = granted(env)
     return {"put": put, "get": get, "block_bytes": client.pool("b").block_bytes}

@@ -107,9 +107,11 @@ def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
 
 def _granted(put: dict) -> str:
     """How many of a put row's blocks the client wrote into granted slots (the rest: staging),
-    and each round's rate where the row is the best of several."""
+    each round's rate where the row is the best of several, and the best round's CPU a block."""
     n, r = put.get("granted_blocks"), put.get("rounds_blocks_per_s") or []
     through = f"{n:,} blocks through grants" if isinstance(n, int) else ""
     rounds = f"best of {len(r)} rounds: {' / '.join(f'{x:,}' for x in r)} blocks/s" if len(r) > 1 else ""
-    said = "; ".join(x for x in (through, rounds) if x)
+    c, d = put.get("client_cpu_us_per_block"), put.get("daemon_cpu_us_per_block")
+    cpu = f"CPU a block: client {c:.1f} us, daemon {d:.1f} us" if c is not None and d is not None else ""
+    said = "; ".join(x for x in (through, rounds, cpu) if x)
     return f" ({said})" if said else ""

@@ -48,6 +48,11 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
     # the report too (docs/performance.md, the ninth stop: glibc's non-temporal threshold).
     assert res["memcpy_block_gbps"] > 0 and all(x["memcpy_block_gbps"] > 0 for x in res["small_blocks"].values())
     assert f"(a block at a time: {res['memcpy_block_gbps']:.2f})" in run.stdout
+    # Each put row's CPU a block, client and daemon: whether the copy or per-block work binds it.
+    for put in [res["put"], *(x["put"] for x in res["small_blocks"].values())]:
+        c, d = put["client_cpu_us_per_block"], put["daemon_cpu_us_per_block"]
+        assert c > 0 and d > 0, put  # both processes did work for every put round
+        assert f"CPU a block: client {c:.1f} us, daemon {d:.1f} us" in run.stdout
 
 
 def test_gpu_check_skips_cleanly_without_cuda() -> None:
