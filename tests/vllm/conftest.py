@@ -40,9 +40,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # switch), an engine is ready in 6 s rather than 17-19 s and stops in 1.7 s rather than 3.7 s:
 # the suite took 212 s rather than 433 s. The connector's two halves then share one process, so
 # the split that `vllm serve` runs, each half in its own process and the scheduler's metadata
-# serialized to the worker, is kept where it is covered: test_connector_e2e.py's engines
-# (SEPARATE_PROCESSES), tensor parallelism (its two workers are processes either way) and the
-# bench smoke test's AsyncLLM engines (always in their own processes).
+# serialized to the worker, is kept where it is covered: test_connector_e2e.py's engines and
+# test_serving_path_e2e.py's engine A (SEPARATE_PROCESSES: decode-block saves, pins, loads
+# beside decoders), tensor parallelism (its two workers are processes either way) and the bench
+# smoke test's AsyncLLM engines (always in their own processes).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 SEPARATE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: engine core and worker apart
 

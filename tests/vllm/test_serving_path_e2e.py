@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, connector_config
+from tests.vllm.conftest import BS, POOL, SEPARATE_PROCESSES, connector_config
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -76,7 +76,10 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
         rec["base_burst"] = e.generate_batch(BURST + DECODERS)
     with EngineProcess(tiny_model, logs / "base-small.log", **SMALL) as e:
         rec["base_preempt"] = e.generate_batch(PREEMPT)
-    with EngineProcess(tiny_model, logs / "a.log", connector_config(POOL, a.runtime_dir), **ENGINE) as e:
+    # Engine A in vLLM's default processes, as `vllm serve` runs it: the decode-block saves, the
+    # pin and the async loads beside decoders cross from the scheduler to the worker process.
+    with EngineProcess(tiny_model, logs / "a.log", connector_config(POOL, a.runtime_dir), env=SEPARATE_PROCESSES,
+                       **ENGINE) as e:
         rec["a_t1"] = e.generate(T1, TURN1_TOKENS)
         e.generate(PINNED, 4, kv_transfer_params={"kvtier": {"pin_s": 600, "tenant": "agent-7"}})
         wait_until(lambda: (a.pool_stats(POOL).get("pins") or {}).get("blocks") == 3, timeout=30,
@@ -98,6 +101,7 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
 
 
 def test_a_second_turn_loads_the_first_turns_decode_blocks_on_another_node(record):
+    assert "(EngineCore pid=" in record["a_log"] and "(Worker pid=" in record["a_log"]  # saved across processes
     assert record["a_t1"]["tokens"] == record["base_t1"]["tokens"]
     # Turn one computed 288 tokens: 6 prompt blocks, 3 decode blocks, the last completed in its
     # final step. Turn two (309 tokens) may load 9 blocks: all of them, from Redis on node B.
