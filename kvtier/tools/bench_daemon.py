@@ -19,14 +19,19 @@ from kvtier.tools.bench_env import Env
 def process_cpu_s(pid: int) -> float:
     """CPU time of `pid`'s threads so far, in seconds, from schedstat (nanoseconds, where
     /proc/PID/stat counts 10 ms ticks: a 2 MiB put round takes a few of them)."""
-    total = 0
+    total, read = 0, 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
+            read += 1
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
-    return total / 1e9
+    if read:
+        return total / 1e9
+    with open(f"/proc/{pid}/stat") as f:  # a kernel without schedstat: its ticks, coarse but not nil
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def put_get(client, n: int, repeat: int, salt: bytes = b"bench", daemon_pid: int | None = None
