@@ -1,6 +1,6 @@
 """Where a sustained put's time goes: the client's phases, both processes' CPU, Redis commands.
 
-    .venv/bin/python benchmarks/put_phases.py [--kib 64] [--mib 256] [--rounds 4] [--redis-calls]
+    .venv/bin/python benchmarks/put_phases.py [--kib 64] [--mib 256] [--rounds 4] [--redis-calls] [--quick]
 
 Starts a daemon of `kvtier bench`'s kind (kvtier/tools/bench_env.py) and puts `--mib` of blocks of
 `--kib` KiB, `--rounds` times, in chains of 64 as the bench does, each round until every block is
@@ -14,7 +14,8 @@ visible. Per round and per block:
 The wrappers cost a few microseconds a put, not a block. `--redis-calls` also prints what one
 Redis command costs this process in CPU: through redis-py's client, through a redis-py
 `Connection` directly, and on a bare asyncio stream (docs/performance.md, the tenth stop).
-Every round's blocks are checked readable before the next round starts.
+Every round's blocks are checked visible before the next round starts. `--quick` sizes the
+arena for the working set alone, as `kvtier bench --quick` does (seconds; the smoke test).
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes put a round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--redis-calls", action="store_true", help="also the CPU of one Redis command, three ways")
+    ap.add_argument("--quick", action="store_true", help="an arena for the working set alone (a smoke run)")
     a = ap.parse_args()
     if a.kib < 64 or a.kib % 64 or a.kib > 2048:
         ap.error("--kib must be a multiple of 64 up to 2048 (a layer of Llama-3-8B's 16-token block is 64 KiB)")
@@ -179,7 +181,7 @@ def main() -> None:
         bound = memcpy_gbps(n * bb, 3)
         print(f"{a.rounds} rounds of {n:,} blocks of {a.kib} KiB; memcpy {bound:.2f} GB/s (the bound)")
         (workdir / "env").mkdir()
-        env = Env(dict(LLAMA, layers=a.kib // 64), arena_blocks(n * (a.rounds + 1), False, bb), workdir / "env")
+        env = Env(dict(LLAMA, layers=a.kib // 64), arena_blocks(n * (a.rounds + 1), a.quick, bb), workdir / "env")
         try:
             asyncio.run(rounds(env, a.kib, n, a.rounds, bound))
         finally:

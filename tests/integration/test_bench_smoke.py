@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -53,6 +55,22 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
         c, d = put["client_cpu_us_per_block"], put["daemon_cpu_us_per_block"]
         assert c > 0 and d > 0, put  # both processes did work for every put round
         assert f"CPU a block: client {c:.1f} us, daemon {d:.1f} us" in run.stdout
+
+
+def test_put_phases_reports_each_phase_cpu_and_redis_commands() -> None:
+    """benchmarks/put_phases.py on a small arena: a round's rate, both processes' CPU a block,
+    the client's four phases, the Redis commands a put, and one command's CPU three ways."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "put_phases.py"), "--mib", "8", "--rounds", "1",
+                          "--quick", "--redis-calls"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert re.search(r"round 0: [\d,]+ blocks/s, [\d.]+x memcpy; a block: wall [\d.]+ us, CPU client [\d.]+ us, "
+                     r"daemon [\d.]+ us", out), out
+    phases = re.search(r"phases \(us a block\): (.*)", out)
+    assert phases and all(p in phases.group(1) for p in ("take slots", "fill (copy threads)", "publish",
+                                                         "wait_resident")), out
+    assert re.search(r"Redis commands a put of 64: .*xadd [\d.]+", out), out  # the client's put, at least
+    assert len(re.findall(r"PING: [\d.]+ us of CPU a call", out)) == 3, out
 
 
 def test_gpu_check_skips_cleanly_without_cuda() -> None:
