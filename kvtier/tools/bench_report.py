@@ -73,10 +73,21 @@ def table(out: dict) -> list[dict]:
     return rows
 
 
+def shown(ratio: float, target: str) -> str:
+    """A ratio to two places, or three where two would round it onto its target and hide the
+    verdict (0.298 against >= 0.3x reads 0.298, not 0.30)."""
+    two = f"{ratio:.2f}"
+    bound = target.lstrip("<>= ").rstrip("x")
+    try:
+        return f"{ratio:.3f}" if float(two) == float(bound) != ratio else two
+    except ValueError:  # "(measured)": no number to meet
+        return two
+
+
 def render(rows: list[dict]) -> str:
     lines = ["| path | figure | bound (same run) | ratio | target | meets |", "|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        ratio = "" if r["ratio"] is None else shown(r["ratio"], r["target"])
         lines.append(f"| {r['path']} | {r['figure']} | {r['bound']} | {ratio} | {r['target']} | "
                      f"{'—' if r['meets'] is None else 'yes' if r['meets'] else 'NO'} |")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from kvtier.shm.staging import CLIENT_COUNTS, CLIENT_COUNTS_OFF, MAX_COUNT_STEP,
 from kvtier.shm.staging_files import StagingFile
 from kvtier.status import human_bytes, liveness
 from kvtier.tools.bench import idle_note
+from kvtier.tools.bench_report import render
 
 
 def test_sizes_are_shown_in_the_unit_that_shows_them() -> None:
@@ -96,3 +97,14 @@ def test_a_clients_drops_are_collected_once_and_its_word_is_bounded() -> None:
     quiet = StagingWriter.create(node, 4, 4096, bytes(32), daemon_uid=os.geteuid(), shm_gid=None)
     quiet.close()
     assert not ShmSegment.exists(quiet.seg.name), "nothing to count: unlinked at once"
+
+
+def test_the_bench_shows_a_third_digit_where_two_would_round_a_miss_onto_its_target() -> None:
+    rows = [{"path": p, "figure": "", "bound": "", "ratio": x, "target": t, "meets": ok}
+            for p, x, t, ok in (("just under", 0.2981, ">= 0.3x", False), ("clear", 0.3241, ">= 0.3x", True),
+                                ("just over", 1.996, "<= 2x", True), ("measured", 4.1049, "(measured)", None))]
+    table = render(rows)
+    assert "| just under |  |  | 0.298 | >= 0.3x | NO |" in table
+    assert "| clear |  |  | 0.32 | >= 0.3x | yes |" in table
+    assert "| just over |  |  | 1.996 | <= 2x | yes |" in table
+    assert "| measured |  |  | 4.10 | (measured) | — |" in table
