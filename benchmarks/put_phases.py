@@ -4,7 +4,8 @@
 
 Starts a daemon of `kvtier bench`'s kind (kvtier/tools/bench_env.py) and puts `--mib` of blocks of
 `--kib` KiB, `--rounds` times, in chains of 64 as the bench does, each round until every block is
-visible. Per round and per block:
+visible (kvtier/tools/bench_daemon.py's `warm_up` and `put_chains`, the bench's own). Per
+round and per block:
 - the wall time, and the ratio to a memcpy of the same bytes measured in the same run;
 - the CPU of the client (this process) and of the daemon (schedstat, every thread);
 - the client's phases, timed by wrapping the methods that run them: taking the granted slots,
@@ -38,7 +39,7 @@ from kvtier.client import Client
 from kvtier.processes import stop_processes
 from kvtier.tools.bench import arena_blocks
 from kvtier.tools.bench_basics import LLAMA, memcpy_gbps
-from kvtier.tools.bench_daemon import process_cpu_s
+from kvtier.tools.bench_daemon import process_cpu_s, put_chains, warm_up
 from kvtier.tools.bench_env import Env, start_redis
 
 
@@ -70,7 +71,7 @@ class Phases:
             setattr(owner, name, timed)
 
 
-async def rounds(env: Env, kib: int, n: int, count: int, bound_gbps: float) -> None:
+async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
     phases = Phases()
     phases.wrap(staging.StagingWriter, "take_slots", "take slots")
     phases.wrap(client_mod.Client, "_copy", "fill (copy threads)")
@@ -90,25 +91,14 @@ async def rounds(env: Env, kib: int, n: int, count: int, bound_gbps: float) -> N
         bb = p.block_bytes
         data = np.random.default_rng(1).integers(0, 255, (n, bb), dtype=np.uint8)
         kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
-        warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=b"phases-warm")
-        await client.put("b", warm, kv[:1])
-        if not await client.wait_resident("b", warm, timeout=60):
-            raise RuntimeError("the warm-up block did not become visible")
-        while (f := p.prefault) is not None and f.done < f.size and f.error is None:
-            await asyncio.sleep(0.01)
+        await warm_up(client, kv, b"phases")
         tokens = list(range(n * p.layout.block_tokens))
         for r in range(count):
             keys = client.block_keys("b", tokens, salt=b"phases-%d" % r)
             phases.spent.clear()
             before = commands()
             c0, d0, t0 = time.process_time(), process_cpu_s(pid), time.perf_counter()
-            for i in range(0, n, 64):
-                res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None,
-                                       wait_s=60)
-                if res.dropped:
-                    raise RuntimeError(f"put dropped {res.dropped} blocks: {res.reason}")
-            if not await client.wait_resident("b", keys, timeout=120):
-                raise RuntimeError("the round's blocks did not become visible")
+            await put_chains(client, keys, kv)  # as `kvtier bench` puts a round
             wall = time.perf_counter() - t0
             client_s, daemon_s = time.process_time() - c0, process_cpu_s(pid) - d0
             after = commands()
@@ -183,7 +173,7 @@ def main() -> None:
         (workdir / "env").mkdir()
         env = Env(dict(LLAMA, layers=a.kib // 64), arena_blocks(n * (a.rounds + 1), a.quick, bb), workdir / "env")
         try:
-            asyncio.run(rounds(env, a.kib, n, a.rounds, bound))
+            asyncio.run(rounds(env, n, a.rounds, bound))
         finally:
             env.close()
         if a.redis_calls:

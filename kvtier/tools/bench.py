@@ -33,7 +33,7 @@ import uvloop
 from kvtier.config import DaemonConfig
 from kvtier.tiers.grants import CLIENT_SHARE
 from kvtier.tools.bench_arena import arena_rows, arena_toml, header_scan_row
-from kvtier.tools.bench_basics import LLAMA, memcpy_gbps, say, sizes
+from kvtier.tools.bench_basics import LLAMA, memcpy_gbps, memcpy_gbps_by_block, say, sizes
 from kvtier.tools.bench_cross_node import CHAIN, cross_node_row
 from kvtier.tools.bench_daemon import daemon_rows, idle_row, small_block_rows
 from kvtier.tools.bench_directory import directory_row
@@ -85,8 +85,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
         row = asyncio.run(small_block_rows(env, n, repeat))
     finally:
         env.close()
-    row["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
-    row["memcpy_block_gbps"] = memcpy_gbps(n * bb, repeat, block=bb)
+    row["memcpy_gbps"], row["memcpy_block_gbps"] = memcpy_gbps_by_block(n * bb, repeat, bb)
     out.setdefault("small_blocks", {})[str(kib)] = row
 
 
@@ -138,8 +137,7 @@ def run_bench(args) -> int:
         return 1
     out: dict = {"quick": quick, "blocks": n, "block_bytes": bb, "working_set_bytes": n * bb}
     say(f"memcpy bound over {n * bb / (1 << 20):.0f} MiB")
-    out["memcpy_gbps"] = memcpy_gbps(n * bb, repeat)
-    out["memcpy_block_gbps"] = memcpy_gbps(n * bb, repeat, block=bb)
+    out["memcpy_gbps"], out["memcpy_block_gbps"] = memcpy_gbps_by_block(n * bb, repeat, bb)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         env = Env(layout, arena_blocks(n * repeat, quick, bb), Path(tmp))
         try:

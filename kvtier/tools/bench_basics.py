@@ -28,21 +28,27 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def memcpy_gbps(nbytes: int, repeat: int, block: int = 0) -> float:
-    """The bound: one memcpy of all the bytes. With `block`, the same bytes copied a block at a
-    time (a reference, not a bound): glibc copies with non-temporal stores only from its
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    """The bound: one memcpy of all the bytes, best of `repeat`."""
+    return memcpy_gbps_by_block(nbytes, repeat, 0)[0]
+
+
+def memcpy_gbps_by_block(nbytes: int, repeat: int, block: int) -> tuple[float, float | None]:
+    """The bound, and (`block` > 0) the same bytes copied a block at a time, over one pair of
+    buffers: a reference, not a bound. glibc copies with non-temporal stores only from its
     `x86_non_temporal_threshold` (190 MiB on a host with a 480 MiB L3), so there one call can
     run near twice as fast as any block-sized copy (docs/performance.md, the ninth stop)."""
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
+    whole = nbytes / best_time(lambda: np.copyto(dst, src), repeat) / GB
     if not block:
-        return nbytes / best_time(lambda: np.copyto(dst, src), repeat) / GB
+        return whole, None
     rows, d = src.reshape(-1, block), dst.reshape(-1, block)
 
     def by_block() -> None:
         for i in range(len(rows)):
             np.copyto(d[i], rows[i])
-    return nbytes / best_time(by_block, repeat) / GB
+    return whole, nbytes / best_time(by_block, repeat) / GB
 
 
 def sizes(args, least: int) -> tuple[dict, int, int, int]:

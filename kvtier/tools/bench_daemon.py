@@ -27,11 +27,41 @@ def process_cpu_s(pid: int) -> float:
             read += 1
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
-    if read:
-        return total / 1e9
-    with open(f"/proc/{pid}/stat") as f:  # a kernel without schedstat: its ticks, coarse but not nil
+    return total / 1e9 if read else stat_cpu_s(pid)  # a kernel without schedstat: its ticks
+
+
+def stat_cpu_s(pid: int) -> float:
+    """CPU time of `pid` so far from /proc/PID/stat: user and system, in 10 ms ticks."""
+    with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def warm_up(client, kv, salt: bytes) -> None:
+    """One block put first, untimed: the client's staging segment is created and paged in then.
+    And its view of the arena mapped (kvtier/shm/prefault.py, a background thread from connect):
+    an engine connects once and puts for hours; a put timed beside the mapping measures both."""
+    p = client.pool("b")
+    warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=salt + b"-warm")
+    await client.put("b", warm, kv[:1])
+    if not await client.wait_resident("b", warm, timeout=60):
+        raise RuntimeError("put: the warm-up block did not become visible")
+    deadline = time.monotonic() + 60
+    while (f := p.prefault) is not None and f.done < f.size and f.error is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def put_chains(client, keys: list[bytes], kv) -> None:
+    """One put round: `keys` (a chain) with kv's blocks, in puts of 64, each dropped rest handed
+    again, until every block is visible in the cpu tier."""
+    for i in range(0, len(keys), 64):
+        res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
+        while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
+            await asyncio.sleep(0.001)
+            j = i + res.staged
+            res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
+    if not await client.wait_resident("b", keys, timeout=120):
+        raise RuntimeError("put: blocks did not become visible")
 
 
 async def put_get(client, n: int, repeat: int, salt: bytes = b"bench", daemon_pid: int | None = None
@@ -50,35 +80,18 @@ async def put_get(client, n: int, repeat: int, salt: bytes = b"bench", daemon_pi
     data = np.random.default_rng(1).integers(0, 255, (n, bb), dtype=np.uint8)
     kv = torch.from_numpy(data).view(p.dtype).reshape(n, *p.shape)
     tokens = list(range(n * p.layout.block_tokens))
-    # One block first, untimed: the client's staging segment is created and paged in then. And
-    # its view of the arena mapped (kvtier/shm/prefault.py, a background thread from connect): an
-    # engine connects once and puts for hours; a put timed beside the mapping measures both.
-    warm = client.block_keys("b", list(range(p.layout.block_tokens)), salt=salt + b"-warm")
-    await client.put("b", warm, kv[:1])
-    if not await client.wait_resident("b", warm, timeout=60):
-        raise RuntimeError("put: the warm-up block did not become visible")
-    deadline = time.monotonic() + 60
-    while (f := p.prefault) is not None and f.done < f.size and f.error is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await warm_up(client, kv, salt)
     rounds: list[float] = []
     cpu: list[tuple[float, float | None]] = []  # each round's (client, daemon) CPU seconds
     chains = []
     for r in range(max(1, repeat)):
         keys = client.block_keys("b", tokens, salt=salt if r == 0 else salt + b"-%d" % r)
         chains.append(keys)
-        c0, d0 = time.process_time(), None if daemon_pid is None else process_cpu_s(daemon_pid)
+        c0, d0 = time.process_time(), 0.0 if daemon_pid is None else process_cpu_s(daemon_pid)
         t0 = time.perf_counter()
-        for i in range(0, n, 64):
-            res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
-            while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
-                await asyncio.sleep(0.001)
-                j = i + res.staged
-                res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
-        if not await client.wait_resident("b", keys, timeout=120):
-            raise RuntimeError("put: blocks did not become visible")
+        await put_chains(client, keys, kv)
         rounds.append(time.perf_counter() - t0)
-        cpu.append((time.process_time() - c0, None if d0 is None or daemon_pid is None
-                    else process_cpu_s(daemon_pid) - d0))
+        cpu.append((time.process_time() - c0, None if daemon_pid is None else process_cpu_s(daemon_pid) - d0))
     put_s = min(rounds)
     client_s, daemon_s = cpu[rounds.index(put_s)]
     dst = torch.empty_like(kv)
@@ -166,14 +179,9 @@ def granted(env: Env) -> int | None:
 
 def idle_row(env: Env, seconds: float, out: dict) -> None:
     pid = env.daemon.proc.pid
-
-    def cpu() -> float:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-    c0, t0 = cpu(), time.monotonic()
+    c0, t0 = stat_cpu_s(pid), time.monotonic()
     time.sleep(seconds)
-    pct = 100 * (cpu() - c0) / (time.monotonic() - t0)
+    pct = 100 * (stat_cpu_s(pid) - c0) / (time.monotonic() - t0)
     status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
     kb = lambda k: int(status.get(k, "0 kB").split()[0])  # noqa: E731
     out["idle"] = {"cpu_pct": pct, "rss_beyond_arenas_mb": (kb("RssAnon") + kb("RssFile")) / 1024}
