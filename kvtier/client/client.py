@@ -27,7 +27,7 @@ from kvtier.client.writes import ClientWrites
 from kvtier.core.events import Tier
 from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
-from kvtier.keys import BlockKey, chain_keys, check_key, root_key
+from kvtier.keys import BlockKey, chain_keys, check_keys, root_key
 from kvtier.logs import Log, LogThrottle
 from kvtier.offload import default_copy_threads
 from kvtier.processes import pid_alive
@@ -172,7 +172,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         tiers: list[Tier] = []
         at, size = 0, 1  # chunks of 1, 4, 16...: a chain that misses early costs a probe or two
         while at < len(keys):
-            for tier in p.located([check_key(k) for k in keys[at:at + size]]):
+            for tier in p.located(check_keys(keys[at:at + size])):
                 if tier is None:
                     return Lookup(len(tiers), tuple(tiers))
                 tiers.append(tier)
@@ -181,4 +181,4 @@ class Client(ClientReads, ClientWrites, RedisQueries):
 
     def resident(self, pool: str, keys: Sequence[bytes]) -> list[bool]:
         """Per key, not as a prefix: resident on this node (gpu or cpu). No I/O."""
-        return [t is not None for t in self.pool(pool).located([check_key(k) for k in keys])]
+        return [t is not None for t in self.pool(pool).located(check_keys(keys))]
