@@ -53,7 +53,8 @@ test-sglang: $(SGLANG_STAMP) redis-server test-tools
 
 setup-sglang: $(SGLANG_STAMP) redis-server
 
-$(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh
+# copy_hash.c: the compiled copy builds in place (kvtier/shm/), where every venv's editable install finds it.
+$(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh kvtier/shm/native/copy_hash.c
 	PYTHON=$(PYTHON) scripts/setup-venv.sh $(VENV)
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Block copies off the event loop, in threads (numpy copies, preads and xxh3 release the GIL).
+"""Block copies off the event loop, in threads (the compiled copy, numpy copies and preads release the GIL).
 
 A copy that has started writes into memory its caller is about to reuse or free (a tier slot,
 a staging slot, the caller's tensor), so it is always waited for: a cancelled caller sees its
@@ -26,11 +26,17 @@ S = TypeVar("S", bound=Sequence[Any])
 # thread a 64 KiB put's rounds ran at 35,000-43,000 blocks/s with 23 us of client CPU a block,
 # in two at 27,000-41,000 with 24-31 us, the first round the slowest (docs/performance.md).
 SHARED_MIN_BLOCK = 256 << 10
+# Where the copy is compiled (kvtier/shm/onepass.py), a get's share of a batch is one call with
+# the GIL released, so small blocks no longer take turns at it: at 64 KiB two threads read at
+# 0.68-0.74x memcpy against 0.47x in one (docs/performance.md, the eleventh stop). A put's fill
+# still runs Python a block (the seqlock header) and stays at SHARED_MIN_BLOCK.
+SHARED_MIN_BLOCK_BATCHED = 64 << 10
 
 
-def share_threads(threads: int, items: int, nbytes: int) -> int:
-    """Threads to share a copy of `items` blocks (`nbytes` in all) among."""
-    return threads if items and nbytes // items >= SHARED_MIN_BLOCK else 1
+def share_threads(threads: int, items: int, nbytes: int, min_block: int = SHARED_MIN_BLOCK) -> int:
+    """Threads to share a copy of `items` blocks (`nbytes` in all) among: one for blocks under
+    `min_block`."""
+    return threads if items and nbytes // items >= min_block else 1
 
 
 def default_copy_threads() -> int:

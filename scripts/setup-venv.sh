@@ -33,4 +33,4 @@ else
     echo "setup: installing kvtier and its test dependencies"
     "${pip[@]}" install -q -c "$constraints" -e '.[test]'
 fi
-"$venv/bin/python" -c 'import torch, kvtier; print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()})")'
+"$venv/bin/python" -c 'import torch, kvtier.shm.onepass as o; print(f"setup: ok (torch {torch.__version__}, cuda {torch.cuda.is_available()}, compiled block copy {o.COMPILED})")'

@@ -23,7 +23,8 @@ from kvtier.client.results import ClientStats, Lookup, ReadCounts
 from kvtier.errors import RedisUnavailable
 from kvtier.keys import BlockKey, check_keys
 from kvtier.logs import LogThrottle
-from kvtier.offload import map_shares, share_threads
+from kvtier.offload import SHARED_MIN_BLOCK, SHARED_MIN_BLOCK_BATCHED, map_shares, share_threads
+from kvtier.shm.onepass import COMPILED
 
 T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
 R = TypeVar("R")  # what it answers per item
@@ -173,9 +174,11 @@ class TensorRows(Rows):
             return [p.read(keys[i], out[i]) for i in share]
 
         nbytes = len(rows) * p.block_bytes
-        # Small blocks in one thread (offload.share_threads: the batch path's per-block Python
-        # holds the GIL); a GPU destination in one (its pinned bounce buffer is per pool).
-        threads = share_threads(self._client._copy_threads, len(rows), nbytes) if host is not None else 1
+        # Small blocks in one thread unless the copy is compiled (offload.share_threads: else the
+        # batch path's per-block Python holds the GIL); a GPU destination in one (its pinned
+        # bounce buffer is per pool).
+        small = SHARED_MIN_BLOCK_BATCHED if COMPILED else SHARED_MIN_BLOCK
+        threads = share_threads(self._client._copy_threads, len(rows), nbytes, small) if host is not None else 1
         with p.in_use():
             return await self._client._copy(read, rows, nbytes, threads=threads)
 

@@ -11,6 +11,12 @@ Always the private side is hashed: a read hashes its own copy (the slot may chan
 write hashes its source (`hash_src`), never the shared slot it writes. Two processes may write
 one slot at once (a granted slot: kvtier/tiers/grants.py), and a hash of the slot could then
 certify a mix of both; a hash of the source certifies only bytes this writer wrote.
+
+`copy_hashed` runs compiled where kvtier/shm/native/copy_hash.c was built (the `_copy_hash`
+extension, optional at install): each 8 KiB piece loaded once, stored to the destination with
+non-temporal stores and hashed from a bounce buffer in L1, the GIL released. Its digest is of
+exactly the bytes both read and written, which satisfies both rules above at once. Where it was
+not built, numpy and python-xxhash do the same work (`copy_hashed_py`); `COMPILED` says which.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+try:
+    from kvtier.shm import _copy_hash  # type: ignore[attr-defined]  # built at install, if it could be
+except ImportError:
+    _copy_hash = None
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
@@ -32,6 +43,9 @@ if TYPE_CHECKING:
 # Small enough to stay in a core's L2 (512 KiB on the hosts measured) beside its source, large
 # enough that the per-piece Python call costs little: the curve is flat from 256 to 512 KiB.
 PIECE = 256 << 10
+
+# Whether block copies run compiled (kvtier/shm/native/copy_hash.c) or in numpy and python-xxhash.
+COMPILED: bool = _copy_hash is not None
 
 
 def checksum(data: HashInput) -> int:
@@ -49,6 +63,30 @@ def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any], *, hash_src: 
     """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of what
     landed in dst (a read), or with `hash_src` of what was copied from src (a write)."""
     flat = src if src.dtype == np.uint8 and src.ndim == 1 else src.reshape(-1).view(np.uint8)
+    if _copy_hash is not None and dst.nbytes == flat.nbytes and dst.flags.c_contiguous and flat.flags.c_contiguous:
+        return _copy_hash.copy_hashed(dst, flat)  # type: ignore[no-any-return]
+    return copy_hashed_py(dst, flat, hash_src=hash_src)
+
+
+def copy_rows(dst: npt.NDArray[np.uint8], dst_rows: npt.NDArray[np.int64], src: npt.NDArray[np.uint8],
+              src_rows: npt.NDArray[np.int64], nbytes: int) -> npt.NDArray[np.uint64]:
+    """For each j, the first `nbytes` of src[src_rows[j]] copied into dst[dst_rows[j]]; their
+    checksums (`copy_hashed` of each; dst and src 2-D uint8 with contiguous rows). Compiled, the
+    whole batch is one call with the GIL released, so the copy threads of a get of small blocks
+    no longer take turns at it a block at a time."""
+    sums = np.empty(len(dst_rows), dtype=np.uint64)
+    if _copy_hash is not None:
+        _copy_hash.copy_rows(dst, np.ascontiguousarray(dst_rows, dtype=np.int64), src,
+                             np.ascontiguousarray(src_rows, dtype=np.int64), nbytes, sums)
+        return sums
+    for j, (d, s) in enumerate(zip(dst_rows.tolist(), src_rows.tolist())):
+        sums[j] = copy_hashed_py(dst[d, :nbytes], src[s, :nbytes])
+    return sums
+
+
+def copy_hashed_py(dst: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8], *, hash_src: bool = False) -> int:
+    """`copy_hashed` in numpy and python-xxhash, for flat uint8 src: where the compiled copy was
+    not built, and for a source it cannot take (not contiguous)."""
     if dst.nbytes <= PIECE:
         np.copyto(dst, flat)
         return xxhash.xxh3_64_intdigest(flat if hash_src else dst)  # type: ignore[arg-type]  # see HashInput

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.shm.onepass import copy_hashed
+from kvtier.shm.onepass import copy_rows
 from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotTable, key_tag
 
 
@@ -29,14 +29,11 @@ def read_rows(table: SlotTable, slots: npt.NDArray[np.int64], keys: Sequence[byt
               rows: Sequence[int]) -> list[bool]:
     """keys[j] from slots[j] into out[rows[j]] (out: [*, block_bytes] uint8), each verified."""
     ok, idx, before, want = _valid(table, slots, keys)
-    payloads, bb = table.payloads(), table.block_bytes
-    sums = [0] * len(keys)
-    slots_at = idx.tolist()
-    for j in np.flatnonzero(ok).tolist():
-        sums[j] = copy_hashed(out[rows[j]], payloads[slots_at[j], :bb])
+    sums = np.zeros(len(keys), dtype=np.uint64)
+    at = np.flatnonzero(ok)
+    sums[at] = copy_rows(out, np.asarray(rows, dtype=np.int64)[at], table.payloads(), idx[at], table.block_bytes)
     after = table.headers(0, table.n)[idx]
-    ok &= ((after["gen"] == before["gen"]) & (after["key"] == want)
-           & (np.array(sums, dtype=np.uint64) == before["checksum"]))
+    ok &= (after["gen"] == before["gen"]) & (after["key"] == want) & (sums == before["checksum"])
     return ok.tolist()  # type: ignore[no-any-return]
 
 

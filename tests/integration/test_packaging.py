@@ -110,10 +110,12 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     src.mkdir()
     for f in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / f, src / f)
-    shutil.copytree(ROOT / "kvtier", src / "kvtier", ignore=shutil.ignore_patterns("__pycache__"))
+    # Without the checkout's in-place build of the compiled copy: the wheel must build its own.
+    shutil.copytree(ROOT / "kvtier", src / "kvtier", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(house), str(src))
     (kvtier_wheel,) = house.glob("kvtier-*.whl")
     with zipfile.ZipFile(kvtier_wheel) as zf:
+        assert any(n.startswith("kvtier/shm/_copy_hash.") and n.endswith(".so") for n in zf.namelist())
         (meta_path,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
         meta = zf.read(meta_path).decode()
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]

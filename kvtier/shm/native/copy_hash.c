@@ -1,0 +1,229 @@
+/* kvtier.shm._copy_hash: copy a block and take its xxh3-64 in one pass, with the GIL released.
+
+   Why compiled (docs/performance.md, "Eleventh stop"): from Python a block can only be copied by
+   glibc's memcpy, which below its non-temporal threshold (a sixth of the shared cache: 190 MiB on
+   the 2-core host) writes through the cache at about half the speed of a one-call copy of the
+   same bytes, and python-xxhash holds the GIL below about 100 KB, so two copy threads serialise
+   on small blocks. Here each piece of CHUNK bytes is loaded once; the loaded bytes go to a bounce
+   buffer in L1 and, with non-temporal stores, to the destination; xxh3 then reads the bounce
+   buffer. The digest is of exactly the bytes written to dst, which are exactly the bytes read
+   from src: what onepass.py's Python path certifies for a read (its own copy) and for a write
+   (its source, never the shared slot) alike.
+
+   Non-temporal stores are weakly ordered: the copy ends with an sfence, so a seqlock header
+   written after it (kvtier/shm/slots.py) is never seen before the payload.
+
+   xxhash.h (BSD 2-Clause, LICENSE-xxhash) is xxHash 0.8.2 as python-xxhash 3.5.0 vendors it;
+   XXH3_64bits streamed gives the same digest as python-xxhash's xxh3_64_intdigest. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+#else
+#define HAVE_STREAM 0
+#endif
+
+/* A piece: small enough that its bounce copy stays in L1 while xxh3 reads it (8 KiB was the
+   fastest of 4, 8, 16 and 32 KiB at 64 KiB, 256 KiB and 2 MiB blocks on the 2-core host). */
+#define CHUNK 8192
+/* Below this a block is copied with ordinary stores: a small copy's destination is likely read
+   soon, and streaming it out of the cache would cost its reader a trip to memory. */
+#define STREAM_MIN (32 * 1024)
+
+#if HAVE_STREAM
+/* n bytes (a multiple of 64) from src to bounce (ordinary stores) and to dst (non-temporal; dst
+   16-byte aligned), each 16-byte lane loaded once. */
+static void tee_stream(char *dst, char *bounce, const char *src, size_t n) {
+    for (size_t i = 0; i < n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_store_si128((__m128i *)(bounce + i), a);
+        _mm_store_si128((__m128i *)(bounce + i + 16), b);
+        _mm_store_si128((__m128i *)(bounce + i + 32), c);
+        _mm_store_si128((__m128i *)(bounce + i + 48), d);
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+}
+#endif
+
+static uint64_t copy_hash(char *dst, const char *src, size_t n) {
+    XXH3_state_t state;
+    XXH_ALIGN(64) char bounce[CHUNK];
+    XXH3_64bits_reset(&state);
+    int stream = HAVE_STREAM && n >= STREAM_MIN;
+    size_t off = 0;
+    while (off < n) {
+        size_t len = n - off < CHUNK ? n - off : CHUNK;
+        size_t done = 0;
+#if HAVE_STREAM
+        if (stream) {
+            if (((uintptr_t)(dst + off) & 15) != 0) {
+                /* a head up to dst's next 16-byte boundary, then the rest streams */
+                len = 16 - ((uintptr_t)(dst + off) & 15);
+                if (len > n - off) len = n - off;
+            } else {
+                done = len & ~(size_t)63;
+                tee_stream(dst + off, bounce, src + off, done);
+            }
+        }
+#endif
+        memcpy(bounce + done, src + off + done, len - done);
+        memcpy(dst + off + done, bounce + done, len - done);
+        XXH3_64bits_update(&state, bounce, len);
+        off += len;
+    }
+#if HAVE_STREAM
+    if (stream) _mm_sfence();
+#endif
+    return XXH3_64bits_digest(&state);
+}
+
+PyDoc_STRVAR(copy_hashed_doc,
+"copy_hashed(dst, src) -> int\n\n"
+"Copy the contiguous buffer src into the writable contiguous buffer dst of the same length and\n"
+"return the xxh3-64 of the bytes copied (python-xxhash's xxh3_64_intdigest of them).");
+
+static PyObject *copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src) takes two buffers");
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &s, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "copy_hashed: dst holds %zd bytes, src %zd", d.len, s.len);
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = copy_hash((char *)d.buf, (const char *)s.buf, (size_t)d.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+
+/* A 2-D uint8 buffer whose rows are contiguous (a numpy array [rows, bytes] or a view of one). */
+static int get_rows(PyObject *o, Py_buffer *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_RECORDS_RO | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (b->ndim != 2 || b->itemsize != 1 || b->strides[1] != 1 || b->strides[0] < b->shape[1]) {
+        PyErr_Format(PyExc_ValueError, "copy_rows: %s must be 2-D uint8 with contiguous rows", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* A 1-D contiguous buffer of n 8-byte integers. */
+static int get_vector(PyObject *o, Py_buffer *b, Py_ssize_t n, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (b->itemsize != 8 || b->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "copy_rows: %s must hold %zd 8-byte integers", what, n);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_rows_doc,
+"copy_rows(dst, dst_rows, src, src_rows, nbytes, sums) -> None\n\n"
+"For each j, copy the first nbytes of src[src_rows[j]] into dst[dst_rows[j]] and store their\n"
+"xxh3-64 in sums[j]. dst and src are 2-D uint8 arrays with contiguous rows; dst_rows and src_rows\n"
+"int64, sums uint64, all of one length. Every row is checked in range before any is copied.");
+
+static PyObject *copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_rows(dst, dst_rows, src, src_rows, nbytes, sums) takes six arguments");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer d, s, dr, sr, out;
+    if (get_rows(args[0], &d, 1, "dst") < 0) return NULL;
+    if (get_rows(args[2], &s, 0, "src") < 0) goto fail_d;
+    if (PyObject_GetBuffer(args[1], &dr, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail_s;
+    Py_ssize_t n = dr.itemsize ? dr.len / dr.itemsize : 0;
+    PyBuffer_Release(&dr);
+    if (get_vector(args[1], &dr, n, 0, "dst_rows") < 0) goto fail_s;
+    if (get_vector(args[3], &sr, n, 0, "src_rows") < 0) goto fail_dr;
+    if (get_vector(args[5], &out, n, 1, "sums") < 0) goto fail_sr;
+    if (nbytes < 0 || nbytes > d.shape[1] || nbytes > s.shape[1]) {
+        PyErr_Format(PyExc_ValueError, "copy_rows: %zd bytes do not fit a row", nbytes);
+        goto fail_out;
+    }
+    const int64_t *di = (const int64_t *)dr.buf, *si = (const int64_t *)sr.buf;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (di[j] < 0 || di[j] >= d.shape[0] || si[j] < 0 || si[j] >= s.shape[0]) {
+            PyErr_Format(PyExc_IndexError, "copy_rows: row %zd names dst row %lld, src row %lld", j,
+                         (long long)di[j], (long long)si[j]);
+            goto fail_out;
+        }
+    }
+    uint64_t *sums = (uint64_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n; j++)
+        sums[j] = copy_hash((char *)d.buf + di[j] * d.strides[0], (const char *)s.buf + si[j] * s.strides[0],
+                            (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&sr);
+    PyBuffer_Release(&dr);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    Py_RETURN_NONE;
+fail_out:
+    PyBuffer_Release(&out);
+fail_sr:
+    PyBuffer_Release(&sr);
+fail_dr:
+    PyBuffer_Release(&dr);
+fail_s:
+    PyBuffer_Release(&s);
+fail_d:
+    PyBuffer_Release(&d);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
+    {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copy_hash",
+    "Copy and xxh3-64 in one pass with the GIL released (kvtier/shm/onepass.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__copy_hash(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "STREAMS", HAVE_STREAM) < 0 || PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0
+        || PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

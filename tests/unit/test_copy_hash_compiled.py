@@ -1,0 +1,117 @@
+"""The compiled copy and checksum (kvtier/shm/native/copy_hash.c, `kvtier.shm._copy_hash`): built by
+the project's own install, and exactly the Python path's result: the same bytes land, nothing
+outside the destination is touched, the digest is python-xxhash's xxh3-64 of the bytes. Sizes and
+offsets straddle its edges: an unaligned destination's head, its 8 KiB pieces, the 32 KiB from
+which it streams past the cache, and a tail that is not a multiple of 64 bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.shm import onepass
+from kvtier.shm.onepass import checksum, copy_hashed, copy_hashed_py, copy_rows
+
+compiled = onepass._copy_hash  # None where it did not build: the first test says so
+GUARD = 64
+
+
+def test_the_compiled_copy_is_built_by_the_install() -> None:
+    assert onepass.COMPILED and compiled is not None, (
+        "kvtier.shm._copy_hash did not build (setup: pip install -e . compiles kvtier/shm/native/copy_hash.c; "
+        "a C compiler and Python's headers are needed): block copies run on the slower numpy path")
+    assert compiled.STREAMS == 1  # x86-64: non-temporal stores, the path the bench measures
+    assert compiled.STREAM_MIN % compiled.CHUNK == 0
+
+
+EDGES = [0, 1, 15, 16, 63, 64, 65, 8191, 8192, 8193, 32767, 32768, 32769, 65536, 65536 + 24, 3 * 8192 + 40000]
+sizes = st.one_of(st.sampled_from(EDGES), st.integers(0, 300_000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=sizes, src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**32 - 1))
+def test_compiled_copy_lands_exactly_the_bytes_and_their_checksum(n: int, src_off: int, dst_off: int,
+                                                                   seed: int) -> None:
+    assert compiled is not None
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, n + src_off, dtype=np.uint8)[src_off:]
+    field = rng.integers(0, 256, n + dst_off + 2 * GUARD, dtype=np.uint8)
+    before = field.copy()
+    dst = field[GUARD + dst_off:GUARD + dst_off + n]
+    assert compiled.copy_hashed(dst, src) == checksum(src)
+    assert np.array_equal(dst, src)
+    # Not a byte outside dst: the head before an aligned store, the tail after the last full 64.
+    assert np.array_equal(field[:GUARD + dst_off], before[:GUARD + dst_off])
+    assert np.array_equal(field[GUARD + dst_off + n:], before[GUARD + dst_off + n:])
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(0, 12), width=st.sampled_from([64, 1000, 8192, 40_000, 65_536]),
+       cut=st.integers(0, 64), seed=st.integers(0, 2**32 - 1))
+def test_copy_rows_is_copy_hashed_row_by_row(rows: int, width: int, cut: int, seed: int) -> None:
+    """Rows in any order, into rows in any order, of part of a row (a slot is wider than its block)."""
+    rng = np.random.default_rng(seed)
+    nbytes = max(0, width - cut)
+    src = rng.integers(0, 256, (rows + 3, width), dtype=np.uint8)
+    dst = rng.integers(0, 256, (rows + 2, width), dtype=np.uint8)
+    want = dst.copy()
+    src_rows = rng.permutation(rows + 3)[:rows].astype(np.int64)
+    dst_rows = rng.permutation(rows + 2)[:rows].astype(np.int64)
+    for d, s in zip(dst_rows, src_rows):
+        want[d, :nbytes] = src[s, :nbytes]
+    sums = copy_rows(dst, dst_rows, src, src_rows, nbytes)
+    assert sums.tolist() == [checksum(src[s, :nbytes]) for s in src_rows]
+    assert np.array_equal(dst, want)
+
+
+def test_copy_rows_refuses_what_it_cannot_do_before_copying_anything() -> None:
+    assert compiled is not None
+    src = np.arange(4 * 128, dtype=np.uint8).reshape(4, 128) % 251
+    dst = np.zeros((3, 128), np.uint8)
+    sums = np.zeros(2, np.uint64)
+    rows = np.array([0, 1], np.int64)
+    with pytest.raises(IndexError, match="row 1 names dst row 3"):
+        compiled.copy_rows(dst, np.array([0, 3], np.int64), src, rows, 128, sums)
+    with pytest.raises(IndexError):
+        compiled.copy_rows(dst, rows, src, np.array([0, -1], np.int64), 128, sums)
+    assert not dst.any()  # the first row was in range, and was still not copied
+    with pytest.raises(ValueError, match="do not fit a row"):
+        compiled.copy_rows(dst, rows, src, rows, 129, sums)
+    with pytest.raises(ValueError, match="2-D uint8"):
+        compiled.copy_rows(dst.reshape(-1), rows, src, rows, 128, sums)
+    with pytest.raises(ValueError, match="2-D uint8"):
+        compiled.copy_rows(dst.view(np.uint16), rows, src, rows, 64, sums)
+    with pytest.raises(ValueError, match="2 8-byte integers"):
+        compiled.copy_rows(dst, rows, src, np.array([0], np.int64), 128, sums)
+    with pytest.raises(ValueError, match="2 8-byte integers"):
+        compiled.copy_rows(dst, rows, src, rows, 128, np.zeros(3, np.uint64))
+    frozen = dst.copy()
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        compiled.copy_rows(frozen, rows, src, rows, 128, sums)
+    with pytest.raises(ValueError, match="dst holds 3 bytes, src 4"):
+        compiled.copy_hashed(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+    assert not dst.any()
+
+
+def test_a_source_the_compiled_copy_cannot_take_goes_the_python_way() -> None:
+    whole = np.random.default_rng(3).integers(0, 256, 6 * 70_000, dtype=np.uint8)
+    strided = whole[::2]  # not contiguous: no buffer for the compiled copy
+    dst = np.zeros(strided.size, np.uint8)
+    assert copy_hashed(dst, strided) == checksum(strided.copy()) and np.array_equal(dst, strided)
+
+
+def test_the_python_path_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a host without a compiler runs: the same digests and bytes."""
+    monkeypatch.setattr(onepass, "_copy_hash", None)
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, (5, 70_000), dtype=np.uint8)
+    dst = np.zeros((6, 70_000), np.uint8)
+    sums = copy_rows(dst, np.array([5, 0, 2], np.int64), src, np.array([1, 4, 0], np.int64), 69_999)
+    assert sums.tolist() == [checksum(src[i, :69_999]) for i in (1, 4, 0)]
+    assert np.array_equal(dst[5, :69_999], src[1, :69_999]) and not dst[5, 69_999] and not dst[1].any()
+    one = np.zeros(70_000, np.uint8)
+    assert copy_hashed(one, src[2]) == copy_hashed_py(np.zeros(70_000, np.uint8), src[2]) == checksum(src[2])
+    assert np.array_equal(one, src[2])
