@@ -22,7 +22,7 @@ not built, numpy and python-xxhash do the same work (`copy_hashed_py`); `COMPILE
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +32,7 @@ try:
     from kvtier.shm import _copy_hash  # type: ignore[attr-defined]  # built at install, if it could be
 except ImportError:
     _copy_hash = None
+_Stream: type = _copy_hash.Stream if _copy_hash is not None else type(None)
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -53,10 +54,20 @@ def checksum(data: HashInput) -> int:
     return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))
 
 
-def checksum_stream() -> xxhash.xxh3_64:
+class ChecksumStream(Protocol):
+    """`checksum` taken piece by piece: python-xxhash's xxh3_64, or the compiled `Stream`."""
+
+    def update(self, data: Any, /) -> None: ...  # a buffer, or a numpy array (see HashInput)
+
+    def intdigest(self) -> int: ...
+
+
+def checksum_stream() -> ChecksumStream:
     """`checksum` computed piece by piece: update(piece) in payload order, then intdigest(). For
-    a caller that copies a block in pieces (vLLM's per-layer pages) and hashes each as it lands."""
-    return xxhash.xxh3_64()
+    a caller that copies a block in pieces (vLLM's per-layer pages) and hashes each as it lands
+    (`copy_streamed`). Compiled where the copy is (its `copy` then copies and hashes in one
+    call); used by one thread at a time."""
+    return _copy_hash.Stream() if _copy_hash is not None else xxhash.xxh3_64()
 
 
 def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any], *, hash_src: bool = False) -> int:
@@ -95,12 +106,18 @@ def copy_hashed_py(dst: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8], *, h
     return h.intdigest()
 
 
-def copy_streamed(h: xxhash.xxh3_64, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], *,
+def copy_streamed(h: ChecksumStream, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], *,
                   hash_src: bool = False) -> None:
     """Copy src into dst (both flat uint8 of the same size) a piece at a time, feeding each piece
     to the stream `h` right after its copy, while it is in cache: the piece as it landed in dst
     (a read), or with `hash_src` as it was read from src (a write into shared memory). For a
-    block that lands in several runs (a strided page), one stream over all of them."""
+    block that lands in several runs (a strided page), one stream over all of them. With a
+    compiled stream (`checksum_stream`), one compiled call: the bytes read are the bytes written
+    and hashed (see the module's docstring)."""
+    if (isinstance(h, _Stream) and dst.nbytes == src.nbytes and dst.flags.c_contiguous
+            and src.flags.c_contiguous):
+        cast(Any, h).copy(dst, src)
+        return
     for off in range(0, dst.nbytes, PIECE):
         piece, source = dst[off:off + PIECE], src[off:off + PIECE]
         np.copyto(piece, source)

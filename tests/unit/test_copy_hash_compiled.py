@@ -115,3 +115,54 @@ def test_the_python_path_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyP
     one = np.zeros(70_000, np.uint8)
     assert copy_hashed(one, src[2]) == copy_hashed_py(np.zeros(70_000, np.uint8), src[2]) == checksum(src[2])
     assert np.array_equal(one, src[2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, 120_000), max_size=6), dst_off=st.integers(0, 63), hashed=st.integers(0, 5000),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_stream_over_copies_and_updates_is_one_checksum(cuts: list[int], dst_off: int, hashed: int,
+                                                          seed: int) -> None:
+    """A block that lands in runs (vLLM's per-layer pages, SGLang's strided pages): the compiled
+    stream's digest over its copies, after bytes fed by `update`, is the one-shot xxh3 of all."""
+    assert compiled is not None
+    rng = np.random.default_rng(seed)
+    head = rng.integers(0, 256, hashed, dtype=np.uint8)
+    src = rng.integers(0, 256, sum(cuts), dtype=np.uint8)
+    field = np.zeros(src.size + dst_off, np.uint8)
+    dst = field[dst_off:]
+    h = onepass.checksum_stream()
+    assert isinstance(h, compiled.Stream)
+    h.update(head)
+    off = 0
+    for n in cuts:
+        onepass.copy_streamed(h, dst[off:off + n], src[off:off + n])
+        off += n
+    assert h.intdigest() == checksum(np.concatenate([head, src]))
+    assert np.array_equal(dst, src) and not field[:dst_off].any()
+
+
+def test_a_stream_refuses_bad_arguments() -> None:
+    assert compiled is not None
+    with pytest.raises(TypeError):
+        compiled.Stream(1)
+    h = compiled.Stream()
+    with pytest.raises(ValueError, match="dst holds 3 bytes, src 4"):
+        h.copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+    with pytest.raises(TypeError):
+        h.copy(np.zeros(3, np.uint8))
+    frozen = np.zeros(4, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        h.copy(frozen, np.zeros(4, np.uint8))
+    assert h.intdigest() == checksum(b"")  # nothing was fed by the refused calls
+
+
+def test_the_python_stream_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(onepass, "_copy_hash", None)
+    src = np.random.default_rng(9).integers(0, 256, 600_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    h = onepass.checksum_stream()
+    assert compiled is None or not isinstance(h, compiled.Stream)
+    onepass.copy_streamed(h, dst[:300_001], src[:300_001])
+    onepass.copy_streamed(h, dst[300_001:], src[300_001:], hash_src=True)
+    assert h.intdigest() == checksum(src) and np.array_equal(dst, src)

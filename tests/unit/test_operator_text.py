@@ -15,7 +15,7 @@ from kvtier.shm.staging import CLIENT_COUNTS, CLIENT_COUNTS_OFF, MAX_COUNT_STEP,
 from kvtier.shm.staging_files import StagingFile
 from kvtier.status import human_bytes, liveness
 from kvtier.tools.bench import idle_note
-from kvtier.tools.bench_report import render
+from kvtier.tools.bench_report import copy_note, render
 
 
 def test_sizes_are_shown_in_the_unit_that_shows_them() -> None:
@@ -39,6 +39,12 @@ def test_the_bench_says_its_ratios_need_an_idle_machine() -> None:
     assert "otherwise idle machine (load average now 0.50 on 2 cores)" in idle_note(rows, 0.5, 2)
     assert "marked NO" not in idle_note(rows, 0.5, 2)
     assert "2 row(s) marked NO" in idle_note(rows + [{"meets": False}] * 2, 3.0, 2)
+
+
+def test_the_bench_says_which_block_copy_ran() -> None:
+    assert copy_note(True).startswith("Block copies: compiled")
+    slow = copy_note(False)
+    assert "did not build" in slow and "C compiler" in slow and "compiled" not in slow.split(":")[1]
 
 
 def test_a_throttled_event_logs_once_then_a_count_per_interval() -> None:

@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from kvtier.client import ManifestEntry, ReadCounts, checksum_parts, checksum_stream
+from kvtier.client import ManifestEntry, ReadCounts, checksum_parts, checksum_stream, copy_streamed
 from kvtier.integrations.link import EngineLink
 from kvtier.integrations.pool_spec import PoolSpec
 from kvtier.integrations.vllm.connector_config import (
@@ -145,8 +145,7 @@ class WorkerMover:
             step = pages[0].shape[1]
             h = checksum_stream()
             for layer, p in enumerate(pages):
-                np.copyto(dst[layer * step:(layer + 1) * step], p[b])
-                h.update(p[b])
+                copy_streamed(h, dst[layer * step:(layer + 1) * step], p[b], hash_src=True)
             return h.intdigest()
         caches = self.groups[g]
         view = torch.from_numpy(dst).view(caches[0].dtype).view(len(caches), *self.page)
@@ -270,8 +269,7 @@ class WorkerMover:
             for layer, p in enumerate(pages):
                 if abandoned.is_set():
                     raise TimeoutError("the load was given up")
-                np.copyto(p[b], src[layer * step:(layer + 1) * step])
-                h.update(p[b])
+                copy_streamed(h, p[b], src[layer * step:(layer + 1) * step])
             landed[i] = h.intdigest()
 
         def digest(i: int) -> int:

@@ -59,10 +59,9 @@ static void tee_stream(char *dst, char *bounce, const char *src, size_t n) {
 }
 #endif
 
-static uint64_t copy_hash(char *dst, const char *src, size_t n) {
-    XXH3_state_t state;
+/* Copy n bytes from src to dst, feeding them to `state` in order. */
+static void copy_update(XXH3_state_t *state, char *dst, const char *src, size_t n) {
     XXH_ALIGN(64) char bounce[CHUNK];
-    XXH3_64bits_reset(&state);
     int stream = HAVE_STREAM && n >= STREAM_MIN;
     size_t off = 0;
     while (off < n) {
@@ -82,12 +81,18 @@ static uint64_t copy_hash(char *dst, const char *src, size_t n) {
 #endif
         memcpy(bounce + done, src + off + done, len - done);
         memcpy(dst + off + done, bounce + done, len - done);
-        XXH3_64bits_update(&state, bounce, len);
+        XXH3_64bits_update(state, bounce, len);
         off += len;
     }
 #if HAVE_STREAM
     if (stream) _mm_sfence();
 #endif
+}
+
+static uint64_t copy_hash(char *dst, const char *src, size_t n) {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    copy_update(&state, dst, src, n);
     return XXH3_64bits_digest(&state);
 }
 
@@ -205,6 +210,94 @@ fail_d:
     return NULL;
 }
 
+/* A checksum taken over several copies (a block that lands in runs: vLLM's per-layer pages,
+   SGLang's strided pages), as python-xxhash's xxh3_64 object is over several updates. One
+   thread at a time: its state is not locked while the GIL is released. */
+typedef struct {
+    PyObject_HEAD
+    XXH3_state_t *state;
+} Stream;
+
+static PyObject *stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Stream() takes no arguments");
+        return NULL;
+    }
+    Stream *self = (Stream *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->state = XXH3_createState();
+    if (self->state == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    XXH3_64bits_reset(self->state);
+    return (PyObject *)self;
+}
+
+static void stream_dealloc(Stream *self) {
+    XXH3_freeState(self->state);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src) takes two buffers");
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &s, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "copy: dst holds %zd bytes, src %zd", d.len, s.len);
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_update(self->state, (char *)d.buf, (const char *)s.buf, (size_t)d.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    Py_RETURN_NONE;
+}
+
+static PyObject *stream_update(Stream *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_64bits_update(self->state, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *stream_intdigest(Stream *self, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromUnsignedLongLong((unsigned long long)XXH3_64bits_digest(self->state));
+}
+
+static PyMethodDef stream_methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
+     "copy(dst, src): copy the contiguous buffer src into dst (same length), the bytes copied fed to the checksum"},
+    {"update", (PyCFunction)stream_update, METH_O, "update(buf): feed the contiguous buffer buf to the checksum"},
+    {"intdigest", (PyCFunction)stream_intdigest, METH_NOARGS, "the xxh3-64 of every byte fed so far, in order"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StreamType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier.shm._copy_hash.Stream",
+    .tp_basicsize = sizeof(Stream),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An xxh3-64 taken over copies and updates in order (python-xxhash's xxh3_64 digest).",
+    .tp_new = stream_new,
+    .tp_dealloc = (destructor)stream_dealloc,
+    .tp_methods = stream_methods,
+};
+
 static PyMethodDef methods[] = {
     {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
@@ -218,8 +311,15 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__copy_hash(void) {
+    if (PyType_Ready(&StreamType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    Py_INCREF(&StreamType);
+    if (PyModule_AddObject(m, "Stream", (PyObject *)&StreamType) < 0) {
+        Py_DECREF(&StreamType);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "STREAMS", HAVE_STREAM) < 0 || PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0
         || PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN) < 0) {
         Py_DECREF(m);
