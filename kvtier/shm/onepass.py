@@ -90,6 +90,10 @@ def copy_rows(dst: npt.NDArray[np.uint8], dst_rows: npt.NDArray[np.int64], src: 
         _copy_hash.copy_rows(dst, np.ascontiguousarray(dst_rows, dtype=np.int64), src,
                              np.ascontiguousarray(src_rows, dtype=np.int64), nbytes, sums)
         return sums
+    if len(dst_rows) != len(src_rows):
+        raise ValueError(f"copy_rows: {len(dst_rows)} dst rows, {len(src_rows)} src rows")
+    if len(dst_rows) and min(int(np.min(dst_rows)), int(np.min(src_rows))) < 0:
+        raise IndexError("copy_rows: a negative row")  # as the compiled copy: no wrapping around
     for j, (d, s) in enumerate(zip(dst_rows.tolist(), src_rows.tolist())):
         sums[j] = copy_hashed_py(dst[d, :nbytes], src[s, :nbytes])
     return sums

@@ -6,6 +6,8 @@ which it streams past the cache, and a tail that is not a multiple of 64 bytes."
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,7 +24,8 @@ def test_the_compiled_copy_is_built_by_the_install() -> None:
     assert onepass.COMPILED and compiled is not None, (
         "kvtier.shm._copy_hash did not build (setup: pip install -e . compiles kvtier/shm/native/copy_hash.c; "
         "a C compiler and Python's headers are needed): block copies run on the slower numpy path")
-    assert compiled.STREAMS == 1  # x86-64: non-temporal stores, the path the bench measures
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert compiled.STREAMS == 1  # non-temporal stores, the path the bench measures
     assert compiled.STREAM_MIN % compiled.CHUNK == 0
 
 
@@ -85,12 +88,18 @@ def test_copy_rows_refuses_what_it_cannot_do_before_copying_anything() -> None:
         compiled.copy_rows(dst.view(np.uint16), rows, src, rows, 64, sums)
     with pytest.raises(ValueError, match="2 8-byte integers"):
         compiled.copy_rows(dst, rows, src, np.array([0], np.int64), 128, sums)
-    with pytest.raises(ValueError, match="2 8-byte integers"):
+    with pytest.raises(ValueError, match="dst_rows must hold 3 8-byte integers"):  # sums say how many
         compiled.copy_rows(dst, rows, src, rows, 128, np.zeros(3, np.uint64))
     frozen = dst.copy()
     frozen.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
         compiled.copy_rows(frozen, rows, src, rows, 128, sums)
+    with pytest.raises(ValueError, match="2 8-byte integers"):  # of the wrong kind
+        compiled.copy_rows(dst, rows.astype(np.float64), src, rows, 128, sums)
+    with pytest.raises(ValueError, match="2 8-byte integers"):
+        compiled.copy_rows(dst, rows, src, rows, 128, np.zeros(2, np.float64))
+    compiled.copy_rows(dst[:, :0], rows, src, rows, np.int64(0), sums)  # a numpy int is a size too
+    assert sums.tolist() == [checksum(b"")] * 2
     with pytest.raises(ValueError, match="dst holds 3 bytes, src 4"):
         compiled.copy_hashed(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
     assert not dst.any()
@@ -112,6 +121,8 @@ def test_the_python_path_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyP
     sums = copy_rows(dst, np.array([5, 0, 2], np.int64), src, np.array([1, 4, 0], np.int64), 69_999)
     assert sums.tolist() == [checksum(src[i, :69_999]) for i in (1, 4, 0)]
     assert np.array_equal(dst[5, :69_999], src[1, :69_999]) and not dst[5, 69_999] and not dst[1].any()
+    with pytest.raises(IndexError):  # as the compiled copy, not numpy's wrap-around
+        copy_rows(dst, np.array([-1], np.int64), src, np.array([0], np.int64), 10)
     one = np.zeros(70_000, np.uint8)
     assert copy_hashed(one, src[2]) == copy_hashed_py(np.zeros(70_000, np.uint8), src[2]) == checksum(src[2])
     assert np.array_equal(one, src[2])
@@ -139,6 +150,33 @@ def test_a_stream_over_copies_and_updates_is_one_checksum(cuts: list[int], dst_o
         off += n
     assert h.intdigest() == checksum(np.concatenate([head, src]))
     assert np.array_equal(dst, src) and not field[:dst_off].any()
+
+
+def test_a_stream_refuses_a_second_thread_while_one_copies() -> None:
+    """Its state is used with the GIL released: a call from another thread meanwhile is refused,
+    never let race on it (a race could write past the state's buffer), and the copy's digest is
+    whole. The main thread asks for the digest until it meets the copy running (its GIL is free
+    meanwhile, so it does, within a few tries at most)."""
+    import threading
+
+    assert compiled is not None
+    big = np.random.default_rng(2).integers(0, 256, 32 << 20, dtype=np.uint8)
+    out = np.empty_like(big)
+    refused: list[str] = []
+    for _ in range(20):
+        h = compiled.Stream()
+        t = threading.Thread(target=h.copy, args=(out, big))
+        t.start()
+        while t.is_alive() and not refused:
+            try:
+                h.intdigest()
+            except RuntimeError as e:
+                refused.append(str(e))
+        t.join()
+        assert h.intdigest() == checksum(big) and np.array_equal(out, big)
+        if refused:
+            break
+    assert refused == ["a Stream is used by one thread at a time"]
 
 
 def test_a_stream_refuses_bad_arguments() -> None:

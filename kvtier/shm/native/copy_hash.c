@@ -14,7 +14,9 @@
    written after it (kvtier/shm/slots.py) is never seen before the payload.
 
    xxhash.h (BSD 2-Clause, LICENSE-xxhash) is xxHash 0.8.2 as python-xxhash 3.5.0 vendors it;
-   XXH3_64bits streamed gives the same digest as python-xxhash's xxh3_64_intdigest. */
+   XXH3_64bits streamed gives the same digest as python-xxhash's xxh3_64_intdigest.
+
+   GCC or Clang (the fences and the compiler barrier are theirs); kvtier runs on Linux. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -63,6 +65,9 @@ static void tee_stream(char *dst, char *bounce, const char *src, size_t n) {
 static void copy_update(XXH3_state_t *state, char *dst, const char *src, size_t n) {
     XXH_ALIGN(64) char bounce[CHUNK];
     int stream = HAVE_STREAM && n >= STREAM_MIN;
+    (void)stream;
+    /* Non-temporal stores may pass earlier ordinary ones (a seqlock's odd gen): fence first. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
     size_t off = 0;
     while (off < n) {
         size_t len = n - off < CHUNK ? n - off : CHUNK;
@@ -80,10 +85,15 @@ static void copy_update(XXH3_state_t *state, char *dst, const char *src, size_t 
         }
 #endif
         memcpy(bounce + done, src + off + done, len - done);
+        /* The compiler may not fold the two copies into src -> dst (a second read of src). */
+        __asm__ volatile("" ::: "memory");
         memcpy(dst + off + done, bounce + done, len - done);
         XXH3_64bits_update(state, bounce, len);
         off += len;
     }
+    /* The payload before anything written after it (the header's even gen): an sfence for the
+       non-temporal stores, and a full fence where stores are not ordered (not x86). */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
 #if HAVE_STREAM
     if (stream) _mm_sfence();
 #endif
@@ -99,7 +109,8 @@ static uint64_t copy_hash(char *dst, const char *src, size_t n) {
 PyDoc_STRVAR(copy_hashed_doc,
 "copy_hashed(dst, src) -> int\n\n"
 "Copy the contiguous buffer src into the writable contiguous buffer dst of the same length and\n"
-"return the xxh3-64 of the bytes copied (python-xxhash's xxh3_64_intdigest of them).");
+"return the xxh3-64 of the bytes copied (python-xxhash's xxh3_64_intdigest of them). dst and src\n"
+"must not overlap.");
 
 static PyObject *copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -139,10 +150,13 @@ static int get_rows(PyObject *o, Py_buffer *b, int writable, const char *what) {
     return 0;
 }
 
-/* A 1-D contiguous buffer of n 8-byte integers. */
-static int get_vector(PyObject *o, Py_buffer *b, Py_ssize_t n, int writable, const char *what) {
+/* A 1-D contiguous buffer of n 8-byte integers (signed, or unsigned when `unsigned_`). */
+static int get_vector(PyObject *o, Py_buffer *b, Py_ssize_t n, int writable, int unsigned_, const char *what) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    if (b->itemsize != 8 || b->len != n * 8) {
+    const char *f = b->format ? b->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    int integer = unsigned_ ? (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0) : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    if (!integer || b->itemsize != 8 || b->len != n * 8) {
         PyErr_Format(PyExc_ValueError, "copy_rows: %s must hold %zd 8-byte integers", what, n);
         PyBuffer_Release(b);
         return -1;
@@ -162,35 +176,46 @@ static PyObject *copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "copy_rows(dst, dst_rows, src, src_rows, nbytes, sums) takes six arguments");
         return NULL;
     }
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t nbytes = PyNumber_AsSsize_t(args[4], PyExc_OverflowError);
     if (nbytes == -1 && PyErr_Occurred()) return NULL;
     Py_buffer d, s, dr, sr, out;
     if (get_rows(args[0], &d, 1, "dst") < 0) return NULL;
     if (get_rows(args[2], &s, 0, "src") < 0) goto fail_d;
-    if (PyObject_GetBuffer(args[1], &dr, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail_s;
-    Py_ssize_t n = dr.itemsize ? dr.len / dr.itemsize : 0;
-    PyBuffer_Release(&dr);
-    if (get_vector(args[1], &dr, n, 0, "dst_rows") < 0) goto fail_s;
-    if (get_vector(args[3], &sr, n, 0, "src_rows") < 0) goto fail_dr;
-    if (get_vector(args[5], &out, n, 1, "sums") < 0) goto fail_sr;
+    if (PyObject_GetBuffer(args[5], &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail_s;
+    Py_ssize_t n = out.itemsize ? out.len / out.itemsize : 0;
+    PyBuffer_Release(&out);
+    if (get_vector(args[1], &dr, n, 0, 0, "dst_rows") < 0) goto fail_s;
+    if (get_vector(args[3], &sr, n, 0, 0, "src_rows") < 0) goto fail_dr;
+    if (get_vector(args[5], &out, n, 1, 1, "sums") < 0) goto fail_sr;
     if (nbytes < 0 || nbytes > d.shape[1] || nbytes > s.shape[1]) {
         PyErr_Format(PyExc_ValueError, "copy_rows: %zd bytes do not fit a row", nbytes);
         goto fail_out;
     }
+    /* The offsets are taken and checked here, under the GIL, and only they are used below: the
+       caller's index arrays could change once it is released. */
+    Py_ssize_t *at = PyMem_Malloc(2 * (size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto fail_out;
+    }
     const int64_t *di = (const int64_t *)dr.buf, *si = (const int64_t *)sr.buf;
     for (Py_ssize_t j = 0; j < n; j++) {
-        if (di[j] < 0 || di[j] >= d.shape[0] || si[j] < 0 || si[j] >= s.shape[0]) {
+        int64_t a = di[j], b = si[j];
+        if (a < 0 || a >= d.shape[0] || b < 0 || b >= s.shape[0]) {
             PyErr_Format(PyExc_IndexError, "copy_rows: row %zd names dst row %lld, src row %lld", j,
-                         (long long)di[j], (long long)si[j]);
+                         (long long)a, (long long)b);
+            PyMem_Free(at);
             goto fail_out;
         }
+        at[2 * j] = (Py_ssize_t)a * d.strides[0];
+        at[2 * j + 1] = (Py_ssize_t)b * s.strides[0];
     }
     uint64_t *sums = (uint64_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < n; j++)
-        sums[j] = copy_hash((char *)d.buf + di[j] * d.strides[0], (const char *)s.buf + si[j] * s.strides[0],
-                            (size_t)nbytes);
+        sums[j] = copy_hash((char *)d.buf + at[2 * j], (const char *)s.buf + at[2 * j + 1], (size_t)nbytes);
     Py_END_ALLOW_THREADS
+    PyMem_Free(at);
     PyBuffer_Release(&out);
     PyBuffer_Release(&sr);
     PyBuffer_Release(&dr);
@@ -212,11 +237,22 @@ fail_d:
 
 /* A checksum taken over several copies (a block that lands in runs: vLLM's per-layer pages,
    SGLang's strided pages), as python-xxhash's xxh3_64 object is over several updates. One
-   thread at a time: its state is not locked while the GIL is released. */
+   thread at a time: its state is used with the GIL released, so a second thread's call while
+   one runs is refused (RuntimeError), never let race on it. */
 typedef struct {
     PyObject_HEAD
     XXH3_state_t *state;
+    int busy;  /* set and cleared with the GIL held */
 } Stream;
+
+static int stream_enter(Stream *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "a Stream is used by one thread at a time");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
 
 static PyObject *stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
@@ -256,9 +292,15 @@ static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nar
         PyBuffer_Release(&d);
         return NULL;
     }
+    if (stream_enter(self) < 0) {
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&d);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     copy_update(self->state, (char *)d.buf, (const char *)s.buf, (size_t)d.len);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
     Py_RETURN_NONE;
@@ -267,15 +309,24 @@ static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *stream_update(Stream *self, PyObject *arg) {
     Py_buffer b;
     if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (stream_enter(self) < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     XXH3_64bits_update(self->state, b.buf, (size_t)b.len);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     PyBuffer_Release(&b);
     Py_RETURN_NONE;
 }
 
 static PyObject *stream_intdigest(Stream *self, PyObject *unused) {
     (void)unused;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "a Stream is used by one thread at a time");
+        return NULL;
+    }
     return PyLong_FromUnsignedLongLong((unsigned long long)XXH3_64bits_digest(self->state));
 }
 
