@@ -33,8 +33,8 @@
 #define HAVE_STREAM 0
 #endif
 
-/* A piece: small enough that its bounce copy stays in L1 while xxh3 reads it (8 KiB was the
-   fastest of 4, 8, 16 and 32 KiB at 64 KiB, 256 KiB and 2 MiB blocks on the 2-core host). */
+/* A piece: small enough that its bounce copy stays in a 32 KiB L1 beside its source lines while
+   xxh3 reads it. From 4 to 32 KiB the curve is flat on the 2-core host (docs/performance.md). */
 #define CHUNK 8192
 /* Below this a block is copied with ordinary stores: a small copy's destination is likely read
    soon, and streaming it out of the cache would cost its reader a trip to memory. */
