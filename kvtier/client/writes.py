@@ -37,6 +37,8 @@ MAX_PIN_TTL_S = 7 * 86400  # a pin longer than this is a mistake (the daemon cut
 # Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
 SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
 STAGING_POLL_S = 0.002  # while a put waits for staging room (wait_s): the daemon frees slots as it stores
+# A put's fill of a share of its taken slots, (i, slot) pairs, in a copy thread: the slots filled.
+Fill = Callable[[Sequence[tuple[int, StagedBlock]]], list[StagedBlock]]
 RESIDENT_POLL_S = 0.002  # wait_resident: a poll looks up only the keys not yet seen resident
 
 
@@ -67,9 +69,9 @@ class ClientWrites:
         p = self.pool(pool)
         p.check_tensor(kv, len(keys), "kv")
 
-        def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:
+        def writer(w: StagingWriter, n: int, off: int) -> Fill:
             rows = host_rows(kv[off:], n)  # only the staged blocks leave a GPU
-            return lambda i, b: w.fill_slot(b, rows[i])
+            return lambda share: w.fill_rows(share, rows)
 
         return await self._put(p, keys, parent, writer, token_ids, wait_s, tenant)
 
@@ -84,16 +86,19 @@ class ClientWrites:
         side by side."""
         p = self.pool(pool)
 
-        def writer(w: StagingWriter, n: int, off: int) -> Callable[[int, StagedBlock], StagedBlock]:
-            return lambda i, b: w.fill_slot_with(b, lambda dst: fill(off + i, dst))
+        def writer(w: StagingWriter, n: int, off: int) -> Fill:
+            def one(i: int, b: StagedBlock) -> StagedBlock:
+                return w.fill_slot_with(b, lambda dst: fill(off + i, dst))
+            return lambda share: [one(i, b) for i, b in share]
 
         return await self._put(p, keys, parent, writer, token_ids, wait_s, tenant)
 
     async def _put(self, p: ClientPool, keys: Sequence[bytes], parent: bytes | None,
-                   writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
+                   writer: Callable[[StagingWriter, int, int], Fill],
                    token_ids: Sequence[int] | None, wait_s: float, tenant: str) -> PutResult:
         """Stage what fits, in as many rounds as `wait_s` allows; each round is filled by
-        writer(staging, n_staged, offset)(i, slot) in copy threads, then published."""
+        writer(staging, n_staged, offset)(share) in copy threads, a share of (i, slot) pairs a
+        thread, then published."""
         bkeys = check_keys(keys)
         bparent = None if parent is None else check_key(parent)
         _check_tenant(tenant)
@@ -133,7 +138,7 @@ class ClientWrites:
         return PutResult(done, dropped, reason)
 
     async def _stage(self, p: ClientPool, w: StagingWriter, bkeys: list[BlockKey], parent: BlockKey | None,
-                     writer: Callable[[StagingWriter, int, int], Callable[[int, StagedBlock], StagedBlock]],
+                     writer: Callable[[StagingWriter, int, int], Fill],
                      off: int, tokens: bytes | None, tenant: str) -> int:
         """One round, for the put's blocks from `off` on: take the free slots for the leading
         keys, fill them, publish one `put`. How many were staged (0: no free slot), or -1 when
@@ -145,8 +150,8 @@ class ClientWrites:
             write = writer(w, len(staged), off)
             nbytes = len(staged) * p.block_bytes
             with p.in_use():  # small blocks in one thread, as a get's (offload.share_threads)
-                staged = await self._copy(lambda share: [write(i, b) for i, b in share], list(enumerate(staged)),
-                                          nbytes, share_threads(self._copy_threads, len(staged), nbytes))
+                staged = await self._copy(write, list(enumerate(staged)), nbytes,
+                                          share_threads(self._copy_threads, len(staged), nbytes))
         except BaseException:
             w.unstage(staged)
             raise

@@ -80,11 +80,11 @@ def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any], *, hash_src: 
 
 
 def copy_rows(dst: npt.NDArray[np.uint8], dst_rows: npt.NDArray[np.int64], src: npt.NDArray[np.uint8],
-              src_rows: npt.NDArray[np.int64], nbytes: int) -> npt.NDArray[np.uint64]:
+              src_rows: npt.NDArray[np.int64], nbytes: int, *, hash_src: bool = False) -> npt.NDArray[np.uint64]:
     """For each j, the first `nbytes` of src[src_rows[j]] copied into dst[dst_rows[j]]; their
-    checksums (`copy_hashed` of each; dst and src 2-D uint8 with contiguous rows). Compiled, the
-    whole batch is one call with the GIL released, so the copy threads of a get of small blocks
-    no longer take turns at it a block at a time."""
+    checksums (`copy_hashed` of each, `hash_src` as there; dst and src 2-D uint8 with contiguous
+    rows). Compiled, the whole batch is one call with the GIL released, so the copy threads of a
+    get of small blocks no longer take turns at it a block at a time."""
     sums = np.empty(len(dst_rows), dtype=np.uint64)
     if _copy_hash is not None:
         _copy_hash.copy_rows(dst, np.ascontiguousarray(dst_rows, dtype=np.int64), src,
@@ -95,7 +95,7 @@ def copy_rows(dst: npt.NDArray[np.uint8], dst_rows: npt.NDArray[np.int64], src: 
     if len(dst_rows) and min(int(np.min(dst_rows)), int(np.min(src_rows))) < 0:
         raise IndexError("copy_rows: a negative row")  # as the compiled copy: no wrapping around
     for j, (d, s) in enumerate(zip(dst_rows.tolist(), src_rows.tolist())):
-        sums[j] = copy_hashed_py(dst[d, :nbytes], src[s, :nbytes])
+        sums[j] = copy_hashed_py(dst[d, :nbytes], src[s, :nbytes], hash_src=hash_src)
     return sums
 
 

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from kvtier.core.events import StagedBlock
 from kvtier.keys import BlockKey
 from kvtier.shm.grant_ring import GRANT_USE_S, GrantRing
+from kvtier.shm.onepass import copy_rows
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import (
     EMPTY_KEY,
@@ -136,6 +137,27 @@ class StagingWriter:
         Touches only that slot, so the blocks of one put may be filled in threads side by side."""
         gen = self._table(b).write_reserved(b.slot, b.gen, b.key, row, Flags.READY, parent=b.parent)
         return StagedBlock(b.key, b.parent, b.slot, gen, b.granted)
+
+    def fill_rows(self, share: Sequence[tuple[int, StagedBlock]], rows: npt.NDArray[np.uint8]) -> list[StagedBlock]:
+        """fill_slot for (i, block) pairs of a put's taken slots, block i from rows[i] (rows: [*,
+        block_bytes] uint8, rows contiguous), in share order: each table's copies in one
+        `copy_rows` call (compiled, all of them with the GIL released), then each block's header,
+        READY with its even gen, as fill_slot writes it. Each source is hashed, never a slot."""
+        sums: dict[int, int] = {}
+        for granted in (True, False):
+            part = [(i, b) for i, b in share if b.granted is granted]
+            if part:
+                table = self._table(part[0][1])
+                got = copy_rows(table.payloads(), np.fromiter((b.slot for _, b in part), np.int64, len(part)), rows,
+                                np.fromiter((i for i, _ in part), np.int64, len(part)), table.block_bytes,
+                                hash_src=True)
+                sums.update(zip((i for i, _ in part), got.tolist()))
+        out = []
+        for i, b in share:
+            table = self._table(b)
+            gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, sums[i], Flags.READY, b.parent)
+            out.append(StagedBlock(b.key, b.parent, b.slot, gen, b.granted))
+        return out
 
     def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from kvtier.core.events import Failure, Removed, Store, Stored, Tier
 from kvtier.shm.slots import Flags
@@ -110,3 +111,41 @@ def test_a_flip_that_fails_half_way_leaves_no_claimed_slot_behind(monkeypatch) -
         assert rt.cpu.index.free == free_before + 3  # back in the free list, not claimed for ever
         again = book.adopt_many(rt, stores)
         assert [o.fact.why for o, _ in again if isinstance(o.fact, Removed)] == [Failure.BAD_STAGING] * 3
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_puts_fill_of_granted_and_staging_slots_in_one_call(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StagingWriter.fill_rows, a client put's fill: each table's copies in one call, then each
+    header as fill_slot writes it, in share order (a copy thread's share is every k-th block).
+    Its granted blocks are adopted by the daemon's checks; every block reads back READY and
+    exact. Compiled (`copy_rows`) and not (numpy and python-xxhash: a host without the build)."""
+    import kvtier.shm.onepass as onepass
+    from kvtier.shm.onepass import checksum
+
+    if not compiled:
+        monkeypatch.setattr(onepass, "_copy_hash", None)
+    with grant_pool("test-fill-rows") as (rt, staging, w, log):
+        bb = rt.layout.block_bytes
+        book = GrantBook({"s": rt}, staging, 3, log)
+        book.renew(sorted(staging.present()))
+        book.want("s", w.seg.name)
+        assert asyncio.run(book.top_up(no_room)) == 3
+        keys = [bytes([i + 1]) * 32 for i in range(6)]
+        taken = w.take_slots(keys, b"\x07" * 32)
+        assert [b.granted for b in taken] == [True] * 3 + [False] * 3
+        rows = np.random.default_rng(5).integers(0, 255, (6, bb), dtype=np.uint8)
+        share = [(i, taken[i]) for i in (4, 0, 2, 5, 1, 3)]
+        filled = w.fill_rows(share, rows)
+        assert [b.key for b in filled] == [keys[i] for i, _ in share]
+        for (i, before), b in zip(share, filled):
+            table = rt.cpu.table if b.granted else w.table
+            assert b.slot == before.slot and b.gen == before.gen + 1 and b.granted == before.granted
+            h = table.header(b.slot)
+            assert (h.flags, h.gen, h.key, h.length, h.checksum) == (Flags.READY, b.gen, keys[i], bb, checksum(rows[i]))
+            assert h.parent_key == (keys[i - 1] if i else b"\x07" * 32)
+            out = np.empty(bb, dtype=np.uint8)
+            assert table.read_into(b.slot, b.key, out, Flags.READY) is not None and np.array_equal(out, rows[i])
+        granted = sorted((b for b in filled if b.granted), key=lambda b: keys.index(b.key))
+        stores = [Store("s", Tier.CPU, b.key, keys[keys.index(b.key) - 1] if keys.index(b.key) else b"\x07" * 32,
+                        w.seg.name, b.slot, b.gen, True) for b in granted]
+        assert all(isinstance(o.fact, Stored) for o, _ in book.adopt_many(rt, stores))
