@@ -54,15 +54,16 @@ test-sglang: $(SGLANG_STAMP) redis-server test-tools
 setup-sglang: $(SGLANG_STAMP) redis-server
 
 # copy_hash.c: the compiled copy builds in place (kvtier/shm/), where every venv's editable install finds it.
-$(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh kvtier/shm/native/copy_hash.c
+$(STAMP): pyproject.toml constraints.txt scripts/setup-venv.sh scripts/ensure-build-tools.sh \
+          kvtier/shm/native/copy_hash.c kvtier/shm/native/xxhash.h
 	PYTHON=$(PYTHON) scripts/setup-venv.sh $(VENV)
 	touch $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh scripts/lib-cpu-torch.sh
+$(VLLM_STAMP): pyproject.toml constraints.txt scripts/setup-vllm-venv.sh scripts/lib-cpu-torch.sh scripts/ensure-build-tools.sh
 	PYTHON=$(PYTHON) scripts/setup-vllm-venv.sh $(VLLM_VENV)
 	touch $(VLLM_STAMP)
 
-$(SGLANG_STAMP): pyproject.toml constraints.txt scripts/setup-sglang-venv.sh scripts/lib-cpu-torch.sh
+$(SGLANG_STAMP): pyproject.toml constraints.txt scripts/setup-sglang-venv.sh scripts/lib-cpu-torch.sh scripts/ensure-build-tools.sh
 	PYTHON=$(PYTHON) scripts/setup-sglang-venv.sh $(SGLANG_VENV)
 	touch $(SGLANG_STAMP)
 

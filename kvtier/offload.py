@@ -17,19 +17,17 @@ R = TypeVar("R")
 S = TypeVar("S", bound=Sequence[Any])
 
 
-# A get's blocks smaller than this are copied in one thread, however many there are: per block,
-# some microseconds of Python (slicing, the tag and hash calls) hold the GIL, and at 64 KiB two
-# threads contending for it ran a get at 0.31-0.41x memcpy against 0.45-0.47x in one; at 256 KiB
-# two threads won (11.0 against 8.9 GB/s), at 128 KiB one did, slightly (docs/performance.md).
-# A put's fills are held to it too (since the eighth stop of issue 31; an earlier measurement,
-# with more Python a block on both sides, had one thread halve a 64 KiB put's rate): in one
-# thread a 64 KiB put's rounds ran at 35,000-43,000 blocks/s with 23 us of client CPU a block,
-# in two at 27,000-41,000 with 24-31 us, the first round the slowest (docs/performance.md).
+# Without the compiled copy, a get's blocks smaller than this are copied in one thread, however
+# many there are: per block, some microseconds of Python (slicing, the tag and hash calls) hold
+# the GIL, and at 64 KiB two threads contending for it ran a get at 0.31-0.41x memcpy against
+# 0.45-0.47x in one; at 256 KiB two threads won (11.0 against 8.9 GB/s), at 128 KiB one did,
+# slightly (docs/performance.md). A put's fills are held to it, compiled or not: at 64 KiB two
+# threads cost more CPU for no gain (the eighth stop: 35,000-43,000 blocks/s in one, 27,000-41,000
+# in two; the eleventh, compiled: 0.175-0.188x memcpy in two against 0.188-0.194x in one).
 SHARED_MIN_BLOCK = 256 << 10
 # Where the copy is compiled (kvtier/shm/onepass.py), a get's share of a batch is one call with
 # the GIL released, so small blocks no longer take turns at it: at 64 KiB two threads read at
-# 0.68-0.74x memcpy against 0.47x in one (docs/performance.md, the eleventh stop). A put's fill
-# still runs Python a block (the seqlock header) and stays at SHARED_MIN_BLOCK.
+# 0.68-0.74x memcpy against 0.47x in one (docs/performance.md, the eleventh stop).
 SHARED_MIN_BLOCK_BATCHED = 64 << 10
 
 

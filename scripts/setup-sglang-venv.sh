@@ -22,6 +22,7 @@ t0=$SECONDS
 source scripts/lib-cpu-torch.sh
 took() { echo "setup-sglang: $1 done ($((SECONDS - t0)) s so far)"; }
 
+"$(dirname "$0")/ensure-build-tools.sh" "$python"  # kvtier's compiled block copy (kvtier/shm/native/)
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip -c "$constraints"

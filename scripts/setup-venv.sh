@@ -11,6 +11,7 @@ python=${PYTHON:-python3}
 torch_version=2.13.0
 constraints="$(cd "$(dirname "$0")/.." && pwd)/constraints.txt"
 
+"$(dirname "$0")/ensure-build-tools.sh" "$python"  # the compiled block copy (kvtier/shm/native/)
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip -c "$constraints"

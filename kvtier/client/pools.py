@@ -240,7 +240,7 @@ class ClientPool:
         taken = w.take_slots(keys, parent, grants=False)
         try:
             rows = host_rows(kv, len(taken))
-            blocks = [w.fill_slot(b, rows[i]) for i, b in enumerate(taken)]
+            blocks = w.fill_rows(list(enumerate(taken)), rows)
         except BaseException:
             w.unstage(taken)
             raise

@@ -149,7 +149,7 @@ class ClientWrites:
         try:
             write = writer(w, len(staged), off)
             nbytes = len(staged) * p.block_bytes
-            with p.in_use():  # small blocks in one thread, as a get's (offload.share_threads)
+            with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
                 staged = await self._copy(write, list(enumerate(staged)), nbytes,
                                           share_threads(self._copy_threads, len(staged), nbytes))
         except BaseException:

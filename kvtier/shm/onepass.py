@@ -65,7 +65,7 @@ class ChecksumStream(Protocol):
 def checksum_stream() -> ChecksumStream:
     """`checksum` computed piece by piece: update(piece) in payload order, then intdigest(). For
     a caller that copies a block in pieces (vLLM's per-layer pages) and hashes each as it lands
-    (`copy_streamed`). Compiled where the copy is (its `copy` then copies and hashes in one
+    (`copy_streamed`). Compiled where the copy is (its `copy_hashed` then copies and hashes in one
     call); used by one thread at a time."""
     return _copy_hash.Stream() if _copy_hash is not None else xxhash.xxh3_64()
 
@@ -74,7 +74,9 @@ def copy_hashed(dst: npt.NDArray[np.uint8], src: npt.NDArray[Any], *, hash_src: 
     """Copy src (any dtype, contiguous) into dst (uint8 of the same bytes); the xxh3 of what
     landed in dst (a read), or with `hash_src` of what was copied from src (a write)."""
     flat = src if src.dtype == np.uint8 and src.ndim == 1 else src.reshape(-1).view(np.uint8)
-    if _copy_hash is not None and dst.nbytes == flat.nbytes and dst.flags.c_contiguous and flat.flags.c_contiguous:
+    if not flat.flags.c_contiguous:
+        flat = np.ascontiguousarray(flat)  # a strided byte view: no caller in kvtier passes one
+    if _copy_hash is not None and dst.nbytes == flat.nbytes and dst.flags.c_contiguous:
         return _copy_hash.copy_hashed(dst, flat)  # type: ignore[no-any-return]
     return copy_hashed_py(dst, flat, hash_src=hash_src)
 
@@ -90,18 +92,22 @@ def copy_rows(dst: npt.NDArray[np.uint8], dst_rows: npt.NDArray[np.int64], src: 
         _copy_hash.copy_rows(dst, np.ascontiguousarray(dst_rows, dtype=np.int64), src,
                              np.ascontiguousarray(src_rows, dtype=np.int64), nbytes, sums)
         return sums
+    # The compiled copy's checks, all before any row is copied.
     if len(dst_rows) != len(src_rows):
         raise ValueError(f"copy_rows: {len(dst_rows)} dst rows, {len(src_rows)} src rows")
-    if len(dst_rows) and min(int(np.min(dst_rows)), int(np.min(src_rows))) < 0:
-        raise IndexError("copy_rows: a negative row")  # as the compiled copy: no wrapping around
+    if not 0 <= nbytes <= min(dst.shape[1], src.shape[1]):
+        raise ValueError(f"copy_rows: {nbytes} bytes do not fit a row")
+    if len(dst_rows) and not (0 <= int(np.min(dst_rows)) and int(np.max(dst_rows)) < len(dst)
+                              and 0 <= int(np.min(src_rows)) and int(np.max(src_rows)) < len(src)):
+        raise IndexError("copy_rows: a row out of range")  # no wrapping around, as numpy would
     for j, (d, s) in enumerate(zip(dst_rows.tolist(), src_rows.tolist())):
         sums[j] = copy_hashed_py(dst[d, :nbytes], src[s, :nbytes], hash_src=hash_src)
     return sums
 
 
 def copy_hashed_py(dst: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8], *, hash_src: bool = False) -> int:
-    """`copy_hashed` in numpy and python-xxhash, for flat uint8 src: where the compiled copy was
-    not built, and for a source it cannot take (not contiguous)."""
+    """`copy_hashed` in numpy and python-xxhash, for flat contiguous uint8 src: where the compiled
+    copy was not built, and for a dst it cannot take (not contiguous: a write's only)."""
     if dst.nbytes <= PIECE:
         np.copyto(dst, flat)
         return xxhash.xxh3_64_intdigest(flat if hash_src else dst)  # type: ignore[arg-type]  # see HashInput
@@ -120,7 +126,7 @@ def copy_streamed(h: ChecksumStream, dst: npt.NDArray[np.uint8], src: npt.NDArra
     and hashed (see the module's docstring)."""
     if (isinstance(h, _Stream) and dst.nbytes == src.nbytes and dst.flags.c_contiguous
             and src.flags.c_contiguous):
-        cast(Any, h).copy(dst, src)
+        cast(Any, h).copy_hashed(dst, src)
         return
     for off in range(0, dst.nbytes, PIECE):
         piece, source = dst[off:off + PIECE], src[off:off + PIECE]

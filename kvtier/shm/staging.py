@@ -152,12 +152,13 @@ class StagingWriter:
                                 np.fromiter((i for i, _ in part), np.int64, len(part)), table.block_bytes,
                                 hash_src=True)
                 sums.update(zip((i for i, _ in part), got.tolist()))
-        out = []
-        for i, b in share:
-            table = self._table(b)
-            gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, sums[i], Flags.READY, b.parent)
-            out.append(StagedBlock(b.key, b.parent, b.slot, gen, b.granted))
-        return out
+        return [self._commit(b, sums[i]) for i, b in share]
+
+    def _commit(self, b: StagedBlock, csum: int) -> StagedBlock:
+        """A filled slot's header (key, parent, length, checksum, READY), then its even gen."""
+        table = self._table(b)
+        gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, csum, Flags.READY, b.parent)
+        return StagedBlock(b.key, b.parent, b.slot, gen, b.granted)
 
     def fill_slot_with(self, b: StagedBlock, write: Callable[[npt.NDArray[np.uint8]], object]) -> StagedBlock:
         """As fill_slot, but `write(dst)` fills the slot's payload (a uint8 view of block_bytes)
@@ -170,9 +171,7 @@ class StagingWriter:
         table = self._table(b)
         dst = table.payloads()[b.slot, : table.block_bytes]
         got = write(dst)
-        csum = got if type(got) is int else checksum(dst)
-        gen = table.end_write(b.slot, b.gen, b.key, table.block_bytes, csum, Flags.READY, b.parent)
-        return StagedBlock(b.key, b.parent, b.slot, gen, b.granted)
+        return self._commit(b, got if type(got) is int else checksum(dst))
 
     def staged(self, blocks: list[StagedBlock]) -> None:
         """Note when these filled (READY) blocks were staged: a slot the daemon has not released

@@ -115,7 +115,9 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(house), str(src))
     (kvtier_wheel,) = house.glob("kvtier-*.whl")
     with zipfile.ZipFile(kvtier_wheel) as zf:
-        assert any(n.startswith("kvtier/shm/_copy_hash.") and n.endswith(".so") for n in zf.namelist())
+        names = zf.namelist()
+        assert any(n.startswith("kvtier/shm/_copy_hash.") and n.endswith(".so") for n in names)
+        assert any(n.endswith("LICENSE-xxhash") and ".dist-info/" in n for n in names), names  # its code is in there
         (meta_path,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
         meta = zf.read(meta_path).decode()
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]

@@ -105,11 +105,16 @@ def test_copy_rows_refuses_what_it_cannot_do_before_copying_anything() -> None:
     assert not dst.any()
 
 
-def test_a_source_the_compiled_copy_cannot_take_goes_the_python_way() -> None:
+def test_buffers_the_compiled_copy_cannot_take_are_still_copied() -> None:
     whole = np.random.default_rng(3).integers(0, 256, 6 * 70_000, dtype=np.uint8)
-    strided = whole[::2]  # not contiguous: no buffer for the compiled copy
-    dst = np.zeros(strided.size, np.uint8)
-    assert copy_hashed(dst, strided) == checksum(strided.copy()) and np.array_equal(dst, strided)
+    strided = whole[::2]  # not contiguous: made contiguous first
+    for hash_src in (False, True):
+        dst = np.zeros(strided.size, np.uint8)
+        assert copy_hashed(dst, strided, hash_src=hash_src) == checksum(strided.copy()) and np.array_equal(dst, strided)
+    # A strided destination (a write's; a read hashes what landed, which must be contiguous).
+    field = np.zeros(2 * strided.size, np.uint8)
+    assert copy_hashed(field[::2], strided, hash_src=True) == checksum(strided.copy())
+    assert np.array_equal(field[::2], strided) and not field[1::2].any()
 
 
 def test_the_python_path_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,6 +128,12 @@ def test_the_python_path_where_the_copy_is_not_built(monkeypatch: pytest.MonkeyP
     assert np.array_equal(dst[5, :69_999], src[1, :69_999]) and not dst[5, 69_999] and not dst[1].any()
     with pytest.raises(IndexError):  # as the compiled copy, not numpy's wrap-around
         copy_rows(dst, np.array([-1], np.int64), src, np.array([0], np.int64), 10)
+    before = dst.copy()
+    with pytest.raises(IndexError):  # every row checked before any is copied
+        copy_rows(dst, np.array([0, 1], np.int64), src, np.array([0, 5], np.int64), 10)
+    with pytest.raises(ValueError, match="do not fit a row"):
+        copy_rows(dst, np.array([0], np.int64), src, np.array([0], np.int64), -1)
+    assert np.array_equal(dst, before)
     one = np.zeros(70_000, np.uint8)
     assert copy_hashed(one, src[2]) == copy_hashed_py(np.zeros(70_000, np.uint8), src[2]) == checksum(src[2])
     assert np.array_equal(one, src[2])
@@ -146,7 +157,7 @@ def test_a_stream_over_copies_and_updates_is_one_checksum(cuts: list[int], dst_o
     h.update(head)
     off = 0
     for n in cuts:
-        onepass.copy_streamed(h, dst[off:off + n], src[off:off + n])
+        onepass.copy_streamed(h, dst[off:off + n], src[off:off + n])  # h.copy_hashed, compiled
         off += n
     assert h.intdigest() == checksum(np.concatenate([head, src]))
     assert np.array_equal(dst, src) and not field[:dst_off].any()
@@ -160,23 +171,31 @@ def test_a_stream_refuses_a_second_thread_while_one_copies() -> None:
     import threading
 
     assert compiled is not None
-    big = np.random.default_rng(2).integers(0, 256, 32 << 20, dtype=np.uint8)
+    big = np.random.default_rng(2).integers(0, 256, 64 << 20, dtype=np.uint8)
     out = np.empty_like(big)
     refused: list[str] = []
-    for _ in range(20):
+    for _ in range(50):
         h = compiled.Stream()
-        t = threading.Thread(target=h.copy, args=(out, big))
+        t = threading.Thread(target=h.copy_hashed, args=(out, big))
         t.start()
         while t.is_alive() and not refused:
             try:
                 h.intdigest()
             except RuntimeError as e:
                 refused.append(str(e))
+                for name, args in (("update", (b"x",)), ("copy_hashed", (np.zeros(1, np.uint8), b"x"))):
+                    try:  # still copying: refused too, and feeds nothing; done: would feed "x"
+                        if t.is_alive():
+                            getattr(h, name)(*args)
+                            refused.append("ran")  # the copy ended in between: the digest check below says so
+                    except RuntimeError as e2:
+                        refused.append(str(e2))
         t.join()
-        assert h.intdigest() == checksum(big) and np.array_equal(out, big)
+        if "ran" not in refused:  # what was refused fed nothing
+            assert h.intdigest() == checksum(big) and np.array_equal(out, big)
         if refused:
             break
-    assert refused == ["a Stream is used by one thread at a time"]
+    assert refused and refused[0] == "a Stream is used by one thread at a time", refused
 
 
 def test_a_stream_refuses_bad_arguments() -> None:
@@ -185,13 +204,13 @@ def test_a_stream_refuses_bad_arguments() -> None:
         compiled.Stream(1)
     h = compiled.Stream()
     with pytest.raises(ValueError, match="dst holds 3 bytes, src 4"):
-        h.copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+        h.copy_hashed(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
     with pytest.raises(TypeError):
-        h.copy(np.zeros(3, np.uint8))
+        h.copy_hashed(np.zeros(3, np.uint8))
     frozen = np.zeros(4, np.uint8)
     frozen.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
-        h.copy(frozen, np.zeros(4, np.uint8))
+        h.copy_hashed(frozen, np.zeros(4, np.uint8))
     assert h.intdigest() == checksum(b"")  # nothing was fed by the refused calls
 
 

@@ -122,6 +122,7 @@ def test_a_puts_fill_of_granted_and_staging_slots_in_one_call(compiled: bool, mo
     import kvtier.shm.onepass as onepass
     from kvtier.shm.onepass import checksum
 
+    assert onepass._copy_hash is not None  # built by the install (tests/unit/test_copy_hash_compiled.py)
     if not compiled:
         monkeypatch.setattr(onepass, "_copy_hash", None)
     with grant_pool("test-fill-rows") as (rt, staging, w, log):
@@ -149,3 +150,11 @@ def test_a_puts_fill_of_granted_and_staging_slots_in_one_call(compiled: bool, mo
         stores = [Store("s", Tier.CPU, b.key, keys[keys.index(b.key) - 1] if keys.index(b.key) else b"\x07" * 32,
                         w.seg.name, b.slot, b.gen, True) for b in granted]
         assert all(isinstance(o.fact, Stored) for o, _ in book.adopt_many(rt, stores))
+        # A fill that fails (rows narrower than a block) commits no header: the slots stay odd,
+        # for the caller's unstage, and readers pass them by.
+        more = w.take_slots([b"\x0b" * 32], None)
+        with pytest.raises(ValueError):
+            w.fill_rows([(0, more[0])], rows[:, :bb // 2])
+        table = rt.cpu.table if more[0].granted else w.table
+        assert table.header(more[0].slot).gen == more[0].gen and more[0].gen % 2 == 1
+        w.unstage(more)

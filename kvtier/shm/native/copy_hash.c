@@ -277,7 +277,7 @@ static void stream_dealloc(Stream *self) {
 
 static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copy(dst, src) takes two buffers");
+        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src) takes two buffers");
         return NULL;
     }
     Py_buffer d, s;
@@ -287,7 +287,7 @@ static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     if (d.len != s.len) {
-        PyErr_Format(PyExc_ValueError, "copy: dst holds %zd bytes, src %zd", d.len, s.len);
+        PyErr_Format(PyExc_ValueError, "copy_hashed: dst holds %zd bytes, src %zd", d.len, s.len);
         PyBuffer_Release(&s);
         PyBuffer_Release(&d);
         return NULL;
@@ -331,8 +331,9 @@ static PyObject *stream_intdigest(Stream *self, PyObject *unused) {
 }
 
 static PyMethodDef stream_methods[] = {
-    {"copy", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
-     "copy(dst, src): copy the contiguous buffer src into dst (same length), the bytes copied fed to the checksum"},
+    {"copy_hashed", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
+     "copy_hashed(dst, src): copy the contiguous buffer src into dst (same length), the bytes copied fed to "
+     "the checksum"},
     {"update", (PyCFunction)stream_update, METH_O, "update(buf): feed the contiguous buffer buf to the checksum"},
     {"intdigest", (PyCFunction)stream_intdigest, METH_NOARGS, "the xxh3-64 of every byte fed so far, in order"},
     {NULL, NULL, 0, NULL},
