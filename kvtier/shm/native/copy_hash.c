@@ -106,6 +106,27 @@ static uint64_t copy_hash(char *dst, const char *src, size_t n) {
     return XXH3_64bits_digest(&state);
 }
 
+/* copy_hashed's two arguments: a writable contiguous dst and a contiguous src of its length
+   (0), or an exception set and nothing held (-1). */
+static int get_pair(PyObject *const *args, Py_ssize_t nargs, Py_buffer *d, Py_buffer *s) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src) takes two buffers");
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[0], d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (PyObject_GetBuffer(args[1], s, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(d);
+        return -1;
+    }
+    if (d->len != s->len) {
+        PyErr_Format(PyExc_ValueError, "copy_hashed: dst holds %zd bytes, src %zd", d->len, s->len);
+        PyBuffer_Release(s);
+        PyBuffer_Release(d);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(copy_hashed_doc,
 "copy_hashed(dst, src) -> int\n\n"
 "Copy the contiguous buffer src into the writable contiguous buffer dst of the same length and\n"
@@ -114,22 +135,8 @@ PyDoc_STRVAR(copy_hashed_doc,
 
 static PyObject *copy_hashed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src) takes two buffers");
-        return NULL;
-    }
     Py_buffer d, s;
-    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &s, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&d);
-        return NULL;
-    }
-    if (d.len != s.len) {
-        PyErr_Format(PyExc_ValueError, "copy_hashed: dst holds %zd bytes, src %zd", d.len, s.len);
-        PyBuffer_Release(&s);
-        PyBuffer_Release(&d);
-        return NULL;
-    }
+    if (get_pair(args, nargs, &d, &s) < 0) return NULL;
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
     h = copy_hash((char *)d.buf, (const char *)s.buf, (size_t)d.len);
@@ -276,22 +283,8 @@ static void stream_dealloc(Stream *self) {
 }
 
 static PyObject *stream_copy(Stream *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "copy_hashed(dst, src) takes two buffers");
-        return NULL;
-    }
     Py_buffer d, s;
-    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &s, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&d);
-        return NULL;
-    }
-    if (d.len != s.len) {
-        PyErr_Format(PyExc_ValueError, "copy_hashed: dst holds %zd bytes, src %zd", d.len, s.len);
-        PyBuffer_Release(&s);
-        PyBuffer_Release(&d);
-        return NULL;
-    }
+    if (get_pair(args, nargs, &d, &s) < 0) return NULL;
     if (stream_enter(self) < 0) {
         PyBuffer_Release(&s);
         PyBuffer_Release(&d);
