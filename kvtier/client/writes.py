@@ -34,8 +34,6 @@ from kvtier.shm.staging import StagingWriter
 
 MAX_PIN_TTL_S = 7 * 86400  # a pin longer than this is a mistake (the daemon cuts pins to its own max_ttl_s)
 
-# Fills staging slot b with block i of a put: made per put by a StagingWriter and the number staged.
-SlotWriter = Callable[[StagingWriter, int], Callable[[int, StagedBlock], StagedBlock]]
 STAGING_POLL_S = 0.002  # while a put waits for staging room (wait_s): the daemon frees slots as it stores
 # A put's fill of a share of its taken slots, (i, slot) pairs, in a copy thread: the slots filled.
 Fill = Callable[[Sequence[tuple[int, StagedBlock]]], list[StagedBlock]]

@@ -107,11 +107,11 @@ class TenantUsage:
         is one report), then counted as `hit` counts them, each owner as of its first key."""
         owner = self._owner.get
         for who, n in Counter(owner(k, "") for k in keys).items():
-            self.hits[who if who in self.hits or len(self.hits) < COUNTED else "other"] += n
+            self._count(self.hits, who, n)
 
     @staticmethod
-    def _count(counter: Counter[str], who: str) -> None:
-        counter[who if who in counter or len(counter) < COUNTED else "other"] += 1
+    def _count(counter: Counter[str], who: str, n: int = 1) -> None:
+        counter[who if who in counter or len(counter) < COUNTED else "other"] += n
 
     def share(self, t: Tier, tenant: str, capacity: int) -> float:
         """`tenant`'s fair share of tier `t`'s `capacity` slots, in blocks."""

@@ -43,7 +43,7 @@ def copy_on_read(res: Residency, knobs: PolicyKnobs, pool: str, key: BlockKey, g
                  cpu: Entry | None) -> Copy | None:
     """With the frequency filter (`redis_admit_after_hits` = N), a block is copied on its N-th read."""
     e = gpu or cpu
-    if (e is None or knobs.redis_write is not RedisWrite.WRITE_THROUGH or not knobs.redis_admit_after_hits
-            or e.hits != knobs.redis_admit_after_hits or key in res.tiers[Tier.REDIS]):
+    if (e is None or not copy_on_read_on(knobs) or e.hits != knobs.redis_admit_after_hits
+            or key in res.tiers[Tier.REDIS]):
         return None
     return Copy(pool, key, e.parent, Tier.GPU if gpu is not None else Tier.CPU, Tier.REDIS)

@@ -32,7 +32,6 @@ try:
     from kvtier.shm import _copy_hash  # type: ignore[attr-defined]  # built at install, if it could be
 except ImportError:
     _copy_hash = None
-_Stream: type = _copy_hash.Stream if _copy_hash is not None else type(None)
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -124,8 +123,8 @@ def copy_streamed(h: ChecksumStream, dst: npt.NDArray[np.uint8], src: npt.NDArra
     block that lands in several runs (a strided page), one stream over all of them. With a
     compiled stream (`checksum_stream`), one compiled call: the bytes read are the bytes written
     and hashed (see the module's docstring)."""
-    if (isinstance(h, _Stream) and dst.nbytes == src.nbytes and dst.flags.c_contiguous
-            and src.flags.c_contiguous):
+    if (_copy_hash is not None and isinstance(h, _copy_hash.Stream) and dst.nbytes == src.nbytes
+            and dst.flags.c_contiguous and src.flags.c_contiguous):
         cast(Any, h).copy_hashed(dst, src)
         return
     for off in range(0, dst.nbytes, PIECE):
