@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvtier.tools.engine_zygote import ForkedEngine, fork_engine
+
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
 # What a kvtier pool for the tiny model must say (vLLM's CPU pages: 2 layers x 16 KiB per block).
@@ -176,8 +178,9 @@ class EngineProcess:
                  served_model_name: str = "", speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, kv_cache_mib: int = 0, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, max_model_len: int = 0, dtype: str = "",
-                 python: str | None = None, attention_backend: str = "") -> None:
-        # `python`: another venv's interpreter (the LMCache peer runs in .venv-lmcache).
+                 python: str | None = None, attention_backend: str = "", fork: bool = True) -> None:
+        # `python`: another venv's interpreter (the LMCache peer runs in .venv-lmcache). `fork`:
+        # from the engine zygote where there is one (engine_zygote.py); False: a process afresh.
         cmd = [python or sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(model)]
         if dtype:
             cmd += ["--dtype", dtype]
@@ -199,13 +202,16 @@ class EngineProcess:
             cmd += ["--kv-events-config", json.dumps(kv_events_config)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
-        self._spawn(cmd, log_path, env)
+        self._spawn(cmd, log_path, env, fork)
 
-    def _spawn(self, cmd: list[str], log_path: Path, env: dict | None) -> None:
+    def _spawn(self, cmd: list[str], log_path: Path, env: dict | None, fork: bool = True) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})})
+        full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+        # Forked from a process that has imported vLLM, where the tests started one (engine_zygote.py).
+        self.proc: subprocess.Popen[bytes] | ForkedEngine = (
+            (fork_engine(cmd, full_env, self._log) if fork else None)
+            or subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=full_env))
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:

@@ -23,6 +23,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.daemon_process import DaemonProcess
+from kvtier.tools.engine_zygote import engine_zygote
 from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from kvtier.tools.vllm_engine import connector_config as engine_connector_config
 from tests.support.daemon_proc import node_daemons
@@ -87,6 +88,16 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """In-process engines forked from one process that has imported vLLM (kvtier/tools/engine_zygote.py):
+    an engine started in 2 s rather than 7-8 s here, vLLM's import being most of a start. The bench
+    smoke test's engines fork from it too; engines whose halves run apart (SEPARATE_PROCESSES)
+    start afresh, as vLLM spawns theirs anyway."""
+    with engine_zygote(tmp_path_factory.getbasetemp() / "zygote.log"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(session_dir: Path) -> Path:
     """The tiny Llama, made once a session: every worker's engines run the same weights."""
@@ -106,7 +117,8 @@ def baseline(tiny_model: Path, session_dir: Path) -> dict[str, list[int]]:
     path = session_dir / "baseline.json"
     with FileLock(f"{path}.lock", timeout=SHARED_WAIT_S):
         if not path.exists():
-            with EngineProcess(tiny_model, session_dir / "baseline.log", prefix_caching=False) as eng:
+            # A process of its own, not forked: what forked engines are held to (test_engine_zygote.py).
+            with EngineProcess(tiny_model, session_dir / "baseline.log", prefix_caching=False, fork=False) as eng:
                 out = {name: eng.generate(p)["tokens"] for name, p in PROMPTS.items()}
             path.with_suffix(".tmp").write_text(json.dumps({"prompts": PROMPTS, "outputs": out}))
             path.with_suffix(".tmp").rename(path)

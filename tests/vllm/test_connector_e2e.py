@@ -65,7 +65,9 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
                        speculative_config=NGRAM, env=SEPARATE_PROCESSES) as e:
         rec["a2_p2"] = e.generate(P2)
         rec["a2_log"] = e.log_text()
-    rec["a_stats"] = a.pool_stats(POOL)
+    # Hits reach the daemon as access reports on the bus, which may land after the engine has gone.
+    rec["a_stats"] = wait_until(lambda: (st := a.pool_stats(POOL)).get("hits", 0) >= 11 + 10 and st, timeout=30,
+                                message="node A's hits from both engines counted")
     # Node A, other weights served under the first engine's name: nothing of its KV is loaded.
     with EngineProcess(other, logs / "other.log", connector_config(POOL, a.runtime_dir), prefix_caching=False,
                        served_model_name="m", env=SEPARATE_PROCESSES) as e:

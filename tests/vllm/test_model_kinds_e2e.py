@@ -111,7 +111,10 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2)):
             rec[f"hybrid_b_{name}"] = e.generate(prompt)
         rec["hybrid_b_log"] = e.log_text()
-    rec["b_before"], rec["b_after"] = b_before, b.pool_stats(POOL_HYBRID)
+    # Hits reach the daemon as access reports on the bus, which may land after the engine has gone.
+    rec["b_before"] = b_before
+    rec["b_after"] = wait_until(lambda: (st := b.pool_stats(POOL_HYBRID)).get("hits", 0) - b_before.get("hits", 0)
+                                >= 11 + 2 and st, timeout=30, message="node b's hits on the hybrid's blocks counted")
     eagle = {"method": "eagle", "model": str(make_eagle_draft(tmp_path_factory.mktemp("eagle"))),
              "num_speculative_tokens": 2}
     with EngineProcess(tiny_model, logs / "eagle.log", connector_config(POOL_EAGLE, b.runtime_dir),
@@ -120,7 +123,8 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         wait_until(lambda: resident(b, POOL_EAGLE, 11), timeout=30, message="the EAGLE engine's 11 blocks stored")
         rec["eagle_repeat"] = e.generate(P1)
         rec["eagle_log"] = e.log_text()
-    rec["eagle_stats"] = b.pool_stats(POOL_EAGLE)
+    rec["eagle_stats"] = wait_until(lambda: (st := b.pool_stats(POOL_EAGLE)).get("hits", 0) >= 11 and st,
+                                    timeout=30, message="the EAGLE engine's 11 hits counted")
     rec["eagle_manifest"] = [ManifestEntry.from_json(v) for v in r.hgetall(manifest_key(POOL_EAGLE)).values()]
     mla_node = node_factory("vllm-mla", pools=pool_toml(POOL_MLA, kv_heads=1, head_dim=288, block_tokens=MLA_BS))
     mla = make_mla_model(tmp_path_factory.mktemp("mla"))
@@ -132,7 +136,8 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         wait_until(lambda: resident(mla_node, POOL_MLA, 22), timeout=30, message="the MLA model's 22 blocks stored")
         rec["mla_repeat"] = e.generate(P1)
         rec["mla_log"] = e.log_text()
-    rec["mla_stats"] = mla_node.pool_stats(POOL_MLA)
+    rec["mla_stats"] = wait_until(lambda: (st := mla_node.pool_stats(POOL_MLA)).get("hits", 0) >= 22 and st,
+                                  timeout=30, message="the MLA model's 22 hits counted")
     return rec
 
 
