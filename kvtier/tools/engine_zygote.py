@@ -11,10 +11,11 @@ child's exit status.
 
 `fork_engine` forks only an engine that would have started as this very interpreter under the
 variables vLLM and torch read at import (IMPORT_ENV_PREFIXES) as the zygote had them; another venv
-(the LMCache peer), or an engine whose core and worker run apart (VLLM_ENABLE_V1_MULTIPROCESSING=1:
-vLLM spawns those processes afresh anyway), starts as a new process, as before. Children share
-the zygote's `hash()` seed (PYTHONHASHSEED): kvtier's keys never use `hash()`, and the engines whose
-halves run in processes of their own still start afresh. The zygote is found through
+(the LMCache peer), or other import-time values, start a new process, as before. An engine whose
+core and worker run apart (VLLM_ENABLE_V1_MULTIPROCESSING=1, or AsyncLLM's) forks its first process
+only: vLLM spawns the other two afresh, each importing vLLM. Children share the zygote's `hash()`
+seed (PYTHONHASHSEED): kvtier's keys never use `hash()`, and the connector's scheduler and worker
+halves that run apart still do so in spawned processes. The zygote is found through
 KVTIER_ENGINE_ZYGOTE (its socket), so a `kvtier bench --vllm` a test runs forks its engines too.
 """
 
@@ -49,9 +50,36 @@ READY = b"KVTIER-ZYGOTE-READY\n"
 START_S = 180.0  # importing vLLM on 2 busy cores
 
 
+# ... but for these, which vLLM reads only when an engine starts (vllm/envs.py reads each variable
+# when asked until an engine core turns its cache on): an engine whose core and worker run apart
+# forks as well, and vLLM spawns those two processes afresh.
+RUNTIME_ENV = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING"})
+
+
 def import_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of `env` an import reads (see IMPORT_ENV_PREFIXES)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+    """The part of `env` an import reads (see IMPORT_ENV_PREFIXES, RUNTIME_ENV)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES) and k not in RUNTIME_ENV}
+
+
+def env_as_if_imported(want: dict[str, str], before: dict[str, str], after: dict[str, str]) -> dict[str, str] | None:
+    """The environment a process started with `want` would have once it imported what the zygote
+    did, given the zygote's import environment before and after (the import sets a few, such as
+    TORCHINDUCTOR_CACHE_DIR and LD_LIBRARY_PATH); None where `want` differs from the zygote's
+    where an import reads it, so the engine must start afresh. A caller that imported vLLM
+    itself passes on what its import set: that counts as the zygote's."""
+    mine, theirs = import_env(want), set(before) | set(after)
+    if set(mine) - theirs:
+        return None
+    env = dict(want)
+    for k in theirs:
+        if mine.get(k) == before.get(k):
+            if k in after:
+                env[k] = after[k]  # set by the import, as a fresh process's own import would
+            else:
+                env.pop(k, None)
+        elif mine.get(k) != after.get(k):
+            return None
+    return env
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -219,9 +247,11 @@ def serve(path: str) -> None:
     """Import vLLM, listen on `path` (0600), fork an engine per request; exit when stdin closes."""
     ready_out = os.fdopen(os.dup(1), "wb")  # READY alone on stdout: what vLLM logs goes to stderr
     os.dup2(2, 1)
-    mine = import_env(dict(os.environ))  # before the import, which sets some of its own
+    before = import_env(dict(os.environ))  # the import sets some of its own: `after`
     from vllm import LLM, SamplingParams  # noqa: F401  (the point: imported once, here)
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401  (the stream engine's)
+
+    after = import_env(dict(os.environ))
 
     children: dict[int, socket.socket] = {}
 
@@ -262,8 +292,8 @@ def serve(path: str) -> None:
             head, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
             head += _recv_exact(conn, _LEN.size - len(head))
             req = json.loads(_recv_exact(conn, _LEN.unpack(head)[0]))
-            if (len(fds) != 3 or req["python"] != sys.executable
-                    or import_env(req["env"]) != mine):
+            env = env_as_if_imported(req["env"], before, after)
+            if len(fds) != 3 or req["python"] != sys.executable or env is None:
                 conn.sendall(_PID.pack(0))
                 conn.close()
                 continue
@@ -274,7 +304,7 @@ def serve(path: str) -> None:
             try:
                 pid = os.fork()
                 if pid == 0:
-                    _child(req, fds, [listener, conn, *children.values()])
+                    _child({**req, "env": env}, fds, [listener, conn, *children.values()])
                 pidfd = os.pidfd_open(pid)
                 try:
                     conn.sendall(_PID.pack(pid))

@@ -90,10 +90,11 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def forked_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """In-process engines forked from one process that has imported vLLM (kvtier/tools/engine_zygote.py):
-    an engine started in 2 s rather than 7-8 s here, vLLM's import being most of a start. The bench
-    smoke test's engines fork from it too; engines whose halves run apart (SEPARATE_PROCESSES)
-    start afresh, as vLLM spawns theirs anyway."""
+    """Engines forked from one process that has imported vLLM (kvtier/tools/engine_zygote.py): an
+    in-process engine started in 2 s rather than 7-8 s here, vLLM's import being most of a start.
+    The bench smoke test's engines fork from it too. Of an engine whose halves run apart
+    (SEPARATE_PROCESSES, AsyncLLM) only the first process forks: vLLM spawns the engine core and
+    its worker afresh, so the halves still meet across real process boundaries."""
     with engine_zygote(tmp_path_factory.getbasetemp() / "zygote.log"):
         yield
 

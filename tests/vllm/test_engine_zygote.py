@@ -36,6 +36,6 @@ def test_an_engine_of_another_interpreter_or_import_environment_is_refused(tmp_p
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
     with open(tmp_path / "refused.log", "ab") as log:
         assert fork_engine(["/usr/bin/python3", *cmd[1:]], env, log) is None
-        assert fork_engine(cmd, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, log) is None
+        assert fork_engine(cmd, {**env, "VLLM_CPU_KVCACHE_SPACE": "4"}, log) is None
         assert fork_engine(cmd, {**env, "OMP_NUM_THREADS": "2"}, log) is None
     assert (tmp_path / "refused.log").read_bytes() == b""  # nothing was started
