@@ -1,31 +1,29 @@
 """vLLM engines forked from one process that has imported vLLM already: the engine tests' starts.
 
 An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) on this CPU build takes about 8 s to
-start on 2 idle cores, and about 5.5 s of that is Python importing vLLM. `EngineZygote` imports it
-once, in a process of its own, and forks each engine from there. The child runs its module as
-`python -m` would (runpy, as __main__, with the caller's argv, environment, working directory and
-standard streams, the streams passed over a unix socket with SCM_RIGHTS), so an engine behaves as
-one started afresh. The caller drives it through `ForkedEngine`, which answers as much of
-`subprocess.Popen` as kvtier/tools/vllm_engine.py's EngineProcess uses; the zygote reports each
-child's exit status.
+start on 2 idle cores, and about 5.5 s of that is Python importing vLLM. A zygote
+(engine_zygote_server.py) imports it once, in a process of its own, and forks each engine from
+there: the child runs its module as `python -m` would (runpy, as __main__, with the caller's
+argv, environment, working directory and standard streams, the streams passed over a unix socket
+with SCM_RIGHTS). This side asks for a fork (`fork_engine`) and drives the child through
+`ForkedEngine`, which answers as much of `subprocess.Popen` as kvtier/tools/vllm_engine.py's
+EngineProcess uses.
 
-`fork_engine` forks only an engine that would have started as this very interpreter under the
-variables vLLM and torch read at import (IMPORT_ENV_PREFIXES) as the zygote had them; another venv
-(the LMCache peer), or other import-time values, start a new process, as before. An engine whose
-core and worker run apart (VLLM_ENABLE_V1_MULTIPROCESSING=1, or AsyncLLM's) forks its first process
-only: vLLM spawns the other two afresh, each importing vLLM. Children share the zygote's `hash()`
-seed (PYTHONHASHSEED): kvtier's keys never use `hash()`, and the connector's scheduler and worker
-halves that run apart still do so in spawned processes. The zygote is found through
+Only an engine that would have started as this very interpreter, under the environment the zygote
+imported vLLM in, forks (`env_as_if_imported`): another venv (the LMCache peer), or any other
+variable, starts a new process, as before. The exceptions are RUNTIME_ENV: variables nothing
+reads at import. An engine whose core and worker run apart (VLLM_ENABLE_V1_MULTIPROCESSING=1, or
+AsyncLLM's) forks its first process only: vLLM spawns the other two afresh, each importing vLLM.
+Children share what the zygote's import fixed: its `hash()` seed (kvtier's keys never use
+`hash()`; vLLM draws its block-hash seed when an engine starts), numpy's global generator and
+multiprocessing's authkey (the engines seed their own sampling). The zygote is found through
 KVTIER_ENGINE_ZYGOTE (its socket), so a `kvtier bench --vllm` a test runs forks its engines too.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import random
-import runpy
 import select
 import signal
 import socket
@@ -33,40 +31,39 @@ import struct
 import subprocess
 import sys
 import tempfile
-import traceback
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO
 
 ZYGOTE_ENV = "KVTIER_ENGINE_ZYGOTE"
-# Variables read when vLLM, torch or transformers are imported (and so frozen into the zygote):
-# an engine asking for other values than the zygote's starts afresh.
-IMPORT_ENV_PREFIXES = ("VLLM_", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "HF_", "TRANSFORMERS", "TOKENIZERS",
-                       "PYTHON", "LD_")
-_LEN = struct.Struct("<I")
-_PID = struct.Struct("<i")
+# Variables that may differ between the zygote and an engine it forks, as nothing reads them when
+# vLLM or torch is imported: vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING when an engine starts (its
+# vllm/envs.py reads each variable when asked until an engine core turns its cache on); pytest's
+# change by the test; kvtier's are read by the connector, which loads in the child.
+RUNTIME_ENV = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING"})
+RUNTIME_ENV_PREFIXES = ("PYTEST_", "KVTIER_")
+LEN = struct.Struct("<I")
+PID = struct.Struct("<i")
+MAX_REQUEST = 1 << 20
 READY = b"KVTIER-ZYGOTE-READY\n"
 START_S = 180.0  # importing vLLM on 2 busy cores
-
-
-# ... but for these, which vLLM reads only when an engine starts (vllm/envs.py reads each variable
-# when asked until an engine core turns its cache on): an engine whose core and worker run apart
-# forks as well, and vLLM spawns those two processes afresh.
-RUNTIME_ENV = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING"})
+STATUS_S = 5.0  # how long a child's exit status may trail its end
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of `env` an import reads (see IMPORT_ENV_PREFIXES, RUNTIME_ENV)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES) and k not in RUNTIME_ENV}
+    """What of `env` an import may read: all of it but RUNTIME_ENV."""
+    return {k: v for k, v in env.items() if k not in RUNTIME_ENV and not k.startswith(RUNTIME_ENV_PREFIXES)}
 
 
 def env_as_if_imported(want: dict[str, str], before: dict[str, str], after: dict[str, str]) -> dict[str, str] | None:
     """The environment a process started with `want` would have once it imported what the zygote
-    did, given the zygote's import environment before and after (the import sets a few, such as
-    TORCHINDUCTOR_CACHE_DIR and LD_LIBRARY_PATH); None where `want` differs from the zygote's
-    where an import reads it, so the engine must start afresh. A caller that imported vLLM
-    itself passes on what its import set: that counts as the zygote's."""
+    did, given the zygote's import environment before and after its import (which sets a few:
+    TORCHINDUCTOR_CACHE_DIR, PYTORCH_NVML_BASED_CUDA_CHECK, LD_LIBRARY_PATH through cv2...);
+    None where `want` differs from the zygote's anywhere an import may read, so the engine
+    must start afresh. A caller that imported vLLM itself passes on what its import set: that
+    counts as the zygote's."""
     mine, theirs = import_env(want), set(before) | set(after)
     if set(mine) - theirs:
         return None
@@ -82,7 +79,7 @@ def env_as_if_imported(want: dict[str, str], before: dict[str, str], after: dict
     return env
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def recv_exact(conn: socket.socket, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
         part = conn.recv(n - len(buf))
@@ -94,11 +91,13 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 class ForkedEngine:
     """A forked engine, as EngineProcess drives a Popen: `stdin`, `stdout`, `poll`, `wait`, `kill`.
-    Its exit status comes from the zygote over `conn`; `kill` signals it through a pidfd, so a
-    pid reused after it exits is never hit."""
+    Its end is seen on a pidfd, its exit status comes from the zygote over `conn` (-1 where the
+    zygote went first: unknown), and `kill` signals through the pidfd, so a pid reused after the
+    engine is gone is never hit."""
 
     def __init__(self, conn: socket.socket, pid: int, pidfd: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
-        self.conn, self.pid, self._pidfd = conn, pid, pidfd
+        self.conn: socket.socket | None = conn
+        self.pid, self._pidfd = pid, pidfd
         self.stdin, self.stdout = stdin, stdout
         self.returncode: int | None = None
 
@@ -106,18 +105,37 @@ class ForkedEngine:
         return self.wait(0.0, raising=False)
 
     def wait(self, timeout: float | None = None, raising: bool = True) -> int | None:
-        if self.returncode is None:
-            if not select.select([self.conn], [], [], timeout)[0]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = select.select([self._pidfd, *([self.conn] if self.conn else [])], [], [], left)[0]
+            if self.conn is not None and self.conn in ready:
+                self._status()
+            elif self._pidfd in ready:  # ended: its status follows from the zygote, if it is there
+                if self.conn is not None and select.select([self.conn], [], [], STATUS_S)[0]:
+                    self._status()
+                if self.returncode is None:
+                    self._done(-1)
+            elif not ready:
                 if raising:
                     raise subprocess.TimeoutExpired(f"forked engine {self.pid}", timeout or 0.0)
                 return None
-            try:
-                self.returncode = _PID.unpack(_recv_exact(self.conn, _PID.size))[0]
-            except (ConnectionError, OSError):
-                self.returncode = -1  # the zygote went first: the status is lost, the engine with it
-            self.conn.close()
-            os.close(self._pidfd)
         return self.returncode
+
+    def _status(self) -> None:
+        assert self.conn is not None
+        try:
+            self._done(PID.unpack(recv_exact(self.conn, PID.size))[0])
+        except (ConnectionError, OSError):  # the zygote went: the pidfd alone says when the engine ends
+            self.conn.close()
+            self.conn = None
+
+    def _done(self, code: int) -> None:
+        self.returncode = code
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        os.close(self._pidfd)
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -129,47 +147,46 @@ class ForkedEngine:
 
 def fork_engine(cmd: list[str], env: dict[str, str], stderr: IO[bytes]) -> ForkedEngine | None:
     """`cmd` (python -m MODULE ARGS...) forked from the zygote KVTIER_ENGINE_ZYGOTE names, with
-    pipes for stdin and stdout and `stderr` as its stderr; None where it must start afresh
-    (no zygote, another interpreter or import environment, or the zygote unreachable)."""
+    pipes for stdin and stdout and `stderr` as its stderr; None where it must start afresh (no
+    zygote, another interpreter or environment, the zygote unreachable or failing)."""
     path = os.environ.get(ZYGOTE_ENV)
     if not path or len(cmd) < 3 or cmd[1] != "-m":
         return None
-    try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(path)
-    except OSError:
-        return None
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    try:
-        msg = json.dumps({"python": cmd[0], "module": cmd[2], "argv": cmd[3:], "env": env,
-                          "cwd": os.getcwd()}).encode()
-        socket.send_fds(conn, [_LEN.pack(len(msg)) + msg], [in_r, out_w, stderr.fileno()])
-        pid = _PID.unpack(_recv_exact(conn, _PID.size))[0]
-        if pid <= 0:  # refused: not this interpreter or import environment
-            conn.close()
-            return None
-        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
-        if len(fds) != 1:
-            raise ConnectionError("zygote sent no pidfd")
-    except BaseException:
-        conn.close()
-        for fd in (in_w, out_r):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (in_r, out_w):
-            os.close(fd)
+    with ExitStack() as undo:  # everything opened here is closed unless an engine is handed back
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            undo.callback(conn.close)
+            conn.settimeout(30.0)
+            conn.connect(path)
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            for fd in (in_r, in_w, out_r, out_w):
+                undo.callback(os.close, fd)
+            msg = json.dumps({"python": cmd[0], "module": cmd[2], "argv": cmd[3:], "env": env,
+                              "cwd": os.getcwd()}).encode()
+            socket.send_fds(conn, [LEN.pack(len(msg)) + msg], [in_r, out_w, stderr.fileno()])
+            pid = PID.unpack(recv_exact(conn, PID.size))[0]
+            if pid <= 0:  # refused: not this interpreter or environment
+                return None
+            _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+            if len(fds) != 1:
+                raise ConnectionError("the zygote sent no pidfd")
+        except (OSError, ConnectionError):
+            return None  # a forked child, if any, reads EOF on its stdin and ends
+        conn.settimeout(None)
+        undo.pop_all()
+    for fd in (in_r, out_w):  # the child's ends
+        os.close(fd)
     return ForkedEngine(conn, pid, fds[0], os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb"))
 
 
 class EngineZygote:
-    """The zygote process: `python -m kvtier.tools.engine_zygote SOCKET`, this interpreter and
-    environment, alive while its stdin is open."""
+    """The zygote process (engine_zygote_server.py) in this interpreter and environment, alive
+    while its stdin is open."""
 
     def __init__(self, workdir: Path, log: IO[bytes]) -> None:
         self.socket = str(workdir / "zygote.sock")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.engine_zygote", self.socket],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.engine_zygote_server", self.socket],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                      env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
         assert self.proc.stdout is not None
@@ -203,124 +220,3 @@ def engine_zygote(log_path: Path) -> Iterator[EngineZygote]:
             else:
                 os.environ[ZYGOTE_ENV] = old
             z.close()
-
-
-# --- the zygote's side --------------------------------------------------------------------------
-
-
-def _child(req: dict, fds: list[int], inherited: list[socket.socket]) -> None:
-    """In the forked child: the caller's streams, environment and directory, then the module as
-    __main__, then the exit handlers a process runs (vLLM's, logging's). Never returns."""
-    code = 1
-    try:
-        for s in inherited:  # the zygote's listener and its other children's connections
-            s.close()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the engine waits for its own children
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        for fd, target in zip(fds, (0, 1, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
-        sys.stdin = open(0, closefd=False)  # fresh objects over the new descriptors
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
-        random.seed()  # not the zygote's sequence
-        sys.argv = [req["module"], *req["argv"]]
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def serve(path: str) -> None:
-    """Import vLLM, listen on `path` (0600), fork an engine per request; exit when stdin closes."""
-    ready_out = os.fdopen(os.dup(1), "wb")  # READY alone on stdout: what vLLM logs goes to stderr
-    os.dup2(2, 1)
-    before = import_env(dict(os.environ))  # the import sets some of its own: `after`
-    from vllm import LLM, SamplingParams  # noqa: F401  (the point: imported once, here)
-    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401  (the stream engine's)
-
-    after = import_env(dict(os.environ))
-
-    children: dict[int, socket.socket] = {}
-
-    def reap(*_: object) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            conn = children.pop(pid, None)
-            if conn is not None:
-                try:
-                    conn.sendall(_PID.pack(os.waitstatus_to_exitcode(status)))
-                except OSError:
-                    pass
-                conn.close()
-
-    signal.signal(signal.SIGCHLD, reap)
-    old = os.umask(0o177)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    os.umask(old)
-    listener.listen(16)
-    ready_out.write(READY)
-    ready_out.close()
-    while True:
-        ready, _, _ = select.select([listener, sys.stdin.fileno()], [], [])
-        if sys.stdin.fileno() in ready and not os.read(sys.stdin.fileno(), 4096):
-            break  # the caller closed stdin, or died
-        if listener not in ready:
-            continue
-        conn, _ = listener.accept()
-        conn.settimeout(30.0)  # a caller that connects and says nothing does not hold the zygote
-        fds: list[int] = []
-        try:
-            head, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
-            head += _recv_exact(conn, _LEN.size - len(head))
-            req = json.loads(_recv_exact(conn, _LEN.unpack(head)[0]))
-            env = env_as_if_imported(req["env"], before, after)
-            if len(fds) != 3 or req["python"] != sys.executable or env is None:
-                conn.sendall(_PID.pack(0))
-                conn.close()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # SIGCHLD waits until the child is registered and its pid sent: the status comes after.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-            try:
-                pid = os.fork()
-                if pid == 0:
-                    _child({**req, "env": env}, fds, [listener, conn, *children.values()])
-                pidfd = os.pidfd_open(pid)
-                try:
-                    conn.sendall(_PID.pack(pid))
-                    socket.send_fds(conn, [b"p"], [pidfd])
-                finally:
-                    os.close(pidfd)
-                children[pid] = conn
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        except (OSError, ValueError, KeyError, ConnectionError) as e:
-            print(f"zygote: request refused: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            conn.close()
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1])

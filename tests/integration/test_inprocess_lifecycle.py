@@ -90,7 +90,8 @@ async def test_started_in_the_loop_and_stopped_by_the_event_leaves_nothing_behin
     assert segments(node) == set(), "segments left in /dev/shm"
     assert lock_is_free(node)
     assert all(t.done() for t in chores), f"chores still running: {[t for t in chores if not t.done()]}"
-    assert holder.done() and not holder.cancelled() and holder.exception() is None
+    stuck = [e for e in logs if e["event"] == "daemon.chores_stuck"]
+    assert holder.done() and not holder.cancelled() and holder.exception() is None, (holder, stuck)
     events = [e["event"] for e in logs]
     assert "daemon.chores_stuck" not in events
     assert "daemon.chore_failed" not in events
