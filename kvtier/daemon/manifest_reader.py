@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+from kvtier.bus.cancel import raise_if_cancelling
 from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.failures import REDIS_ERRORS
 from kvtier.core.manifest import holdings, manifest_key, stored_key
@@ -30,6 +31,10 @@ class ManifestReader:
         self.errors = 0
 
     async def run(self) -> None:
+        """Refresh every `interval_s` until cancelled. redis-py can swallow a cancel that lands
+        mid-command (bus/cancel.py): then the loop went on to its sleep, and a daemon's stop
+        waited out its chore budget and left this chore behind (seen under load). Hence the
+        check after each round trip."""
         while True:
             await self.refresh()
             await asyncio.sleep(self.interval_s)
@@ -38,11 +43,14 @@ class ManifestReader:
         for pool in self.pools:
             try:
                 entries = await self.bus.hgetall(manifest_key(pool))
+                raise_if_cancelling()
                 stored = await self.bus.hgetall(stored_key(pool))
             except REDIS_ERRORS as e:  # the last answer stands; status says how old it is
                 self.errors += 1
                 self.quiet.warning("daemon.manifest_unreadable", pool=pool, error=f"{type(e).__name__}: {e}")
                 continue
+            finally:
+                raise_if_cancelling()
             held, malformed = holdings(entries, stored)
             self.models[pool] = {
                 "namespaces": len(held),

@@ -13,6 +13,7 @@ import asyncio
 import collections
 from typing import Any
 
+from kvtier.bus.cancel import raise_if_cancelling
 from kvtier.config import PrefixIndexConfig
 from kvtier.core.events import Reason, Removed, Stored, Tier
 from kvtier.core.where import index_commands
@@ -57,6 +58,7 @@ class PrefixIndexWriter:
                 n = min(len(self._queue), self.cfg.batch_commands)
                 cmds = [self._queue.popleft() for _ in range(n)]
                 out = await self._batches.run(cmds)
+                raise_if_cancelling()  # redis-py can swallow a cancel mid-command (bus/cancel.py)
                 errors = [o for o in out if isinstance(o, Exception)]
                 self.written += n - len(errors)
                 if errors:

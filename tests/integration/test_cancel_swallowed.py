@@ -1,5 +1,7 @@
 """A cancel that redis-py swallows (Python 3.11 wait_for, see kvtier/bus/cancel.py) still stops
-the daemon's stream sampler: before the fix about a third of these stops left it running."""
+the daemon's chores that loop on Redis round trips: before the fix about a third of these stops
+left the stream sampler running, and the manifest reader was left behind by an in-process
+daemon's stop under load (test_inprocess_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from structlog.testing import capture_logs
 
 from kvtier.bus.connect import make_redis
 from kvtier.daemon.chores import Chores
+from kvtier.daemon.manifest_reader import ManifestReader
 from kvtier.daemon.sampler import sample_streams
 
 pytestmark = pytest.mark.integration
@@ -19,7 +22,14 @@ pytestmark = pytest.mark.integration
 STREAMS = [f"kvtier:{{cancel}}:s{i}" for i in range(6)]
 
 
-async def test_the_stream_sampler_ends_at_every_cancel_point(redis_url: str) -> None:
+CHORES = {
+    "stream-sampler": lambda bus, log: sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, 0.0, log),
+    "manifest": lambda bus, log: ManifestReader(bus, ["p0", "p1", "p2"], 1e-6, log).run(),
+}
+
+
+@pytest.mark.parametrize("chore", sorted(CHORES))
+async def test_a_chore_on_redis_ends_at_every_cancel_point(redis_url: str, chore: str) -> None:
     bus = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=2)
     log = structlog.get_logger()
     rng = random.Random(12)
@@ -29,7 +39,7 @@ async def test_the_stream_sampler_ends_at_every_cancel_point(redis_url: str) -> 
             for _ in range(60):
                 chores = Chores(log, stop_s=0.5)
                 await chores.open()
-                chores.start("stream-sampler", sample_streams(bus, STREAMS, "kvtier", {}, 1e-6, 0.0, log))
+                chores.start(chore, CHORES[chore](bus, log))
                 for _ in range(rng.randrange(1, 200)):  # a random point in the pipeline's round trip
                     await asyncio.sleep(0)
                 await chores.aclose()
