@@ -43,14 +43,13 @@ class ManifestReader:
         for pool in self.pools:
             try:
                 entries = await self.bus.hgetall(manifest_key(pool))
-                raise_if_cancelling()
                 stored = await self.bus.hgetall(stored_key(pool))
             except REDIS_ERRORS as e:  # the last answer stands; status says how old it is
                 self.errors += 1
                 self.quiet.warning("daemon.manifest_unreadable", pool=pool, error=f"{type(e).__name__}: {e}")
                 continue
             finally:
-                raise_if_cancelling()
+                raise_if_cancelling()  # after each pool's round trips, failed ones included
             held, malformed = holdings(entries, stored)
             self.models[pool] = {
                 "namespaces": len(held),

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO
 
 ZYGOTE_ENV = "KVTIER_ENGINE_ZYGOTE"
@@ -47,6 +48,9 @@ RUNTIME_ENV_PREFIXES = ("PYTEST_", "KVTIER_")
 LEN = struct.Struct("<I")
 PID = struct.Struct("<i")
 MAX_REQUEST = 1 << 20
+# What EngineProcess adds to an engine's environment, and so what the zygote imports vLLM under
+# (VLLM_LOGGING_LEVEL is read at import): one definition, or every fork would be refused.
+ENGINE_ENV = MappingProxyType({"VLLM_LOGGING_LEVEL": "INFO"})
 READY = b"KVTIER-ZYGOTE-READY\n"
 START_S = 180.0  # importing vLLM on 2 busy cores
 STATUS_S = 5.0  # how long a child's exit status may trail its end
@@ -126,7 +130,7 @@ class ForkedEngine:
         assert self.conn is not None
         try:
             self._done(PID.unpack(recv_exact(self.conn, PID.size))[0])
-        except (ConnectionError, OSError):  # the zygote went: the pidfd alone says when the engine ends
+        except OSError:  # the zygote went (ConnectionError among them): the pidfd alone says when the engine ends
             self.conn.close()
             self.conn = None
 
@@ -171,7 +175,7 @@ def fork_engine(cmd: list[str], env: dict[str, str], stderr: IO[bytes]) -> Forke
             _, fds, _, _ = socket.recv_fds(conn, 1, 1)
             if len(fds) != 1:
                 raise ConnectionError("the zygote sent no pidfd")
-        except (OSError, ConnectionError):
+        except OSError:  # ConnectionError among them
             return None  # a forked child, if any, reads EOF on its stdin and ends
         conn.settimeout(None)
         undo.pop_all()
@@ -188,7 +192,7 @@ class EngineZygote:
         self.socket = str(workdir / "zygote.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.engine_zygote_server", self.socket],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                     env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+                                     env={**os.environ, **ENGINE_ENV})
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], START_S)
         if not ready or self.proc.stdout.readline() != READY:

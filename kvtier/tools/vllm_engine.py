@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvtier.tools.engine_zygote import ForkedEngine, fork_engine
+from kvtier.tools.engine_zygote import ENGINE_ENV, ForkedEngine, fork_engine
 
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
@@ -207,7 +207,7 @@ class EngineProcess:
     def _spawn(self, cmd: list[str], log_path: Path, env: dict | None, fork: bool = True) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
         # Forked from a process that has imported vLLM, where the tests started one (engine_zygote.py).
         self.proc: subprocess.Popen[bytes] | ForkedEngine = (
             (fork_engine(cmd, full_env, self._log) if fork else None)

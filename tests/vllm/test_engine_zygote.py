@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from kvtier.tools.engine_zygote import ZYGOTE_ENV, ForkedEngine, engine_zygote, fork_engine
+from kvtier.tools.engine_zygote import ENGINE_ENV, ZYGOTE_ENV, ForkedEngine, engine_zygote, fork_engine
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.vllm.conftest import PROMPTS
 
@@ -35,7 +35,7 @@ def test_a_killed_forked_engine_reports_the_signal(tiny_model, tmp_path):
 def test_an_engine_of_another_interpreter_or_environment_is_refused_with_nothing_left_open(tmp_path):
     assert os.environ.get(ZYGOTE_ENV)
     cmd = [sys.executable, "-m", "kvtier.tools.vllm_engine", "serve", "--model", str(tmp_path / "no-model")]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
+    env = {**os.environ, **ENGINE_ENV}
     fds = len(os.listdir("/proc/self/fd"))
     with open(tmp_path / "refused.log", "ab") as log:
         assert fork_engine(["/usr/bin/python3", *cmd[1:]], env, log) is None
