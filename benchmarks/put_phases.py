@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ import kvtier.client.client as client_mod
 import kvtier.shm.staging as staging
 from kvtier.client import Client
 from kvtier.processes import stop_processes
+from kvtier.runtime import STATS
 from kvtier.tools.bench import arena_blocks
 from kvtier.tools.bench_basics import LLAMA, memcpy_gbps
 from kvtier.tools.bench_daemon import process_cpu_s, put_chains, warm_up
@@ -110,6 +112,10 @@ async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
                   f"wall {us(wall):.1f} us, CPU client {us(client_s):.1f} us, daemon {us(daemon_s):.1f} us")
             print("  phases (us a block): " + ", ".join(f"{k} {us(v):.1f}" for k, v in phases.spent.items()))
             print("  Redis commands a put of 64: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_put.items())))
+    time.sleep(1.5)  # the daemon writes stats.json each second (the bench's stats_interval_s)
+    c = json.loads((env.rdir / STATS).read_text())["pools"]["b"]
+    print(f"daemon, all rounds and the warm-up: {c['puts']:,} blocks put, {c['granted_puts']:,} of them into granted "
+          f"slots (one pass), {c['puts_dropped']:,} dropped")
 
 
 def redis_calls(workdir: Path, calls: int = 3000) -> None:

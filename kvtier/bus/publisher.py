@@ -66,6 +66,12 @@ class Publisher:
         """The seq of the latest envelope built; 0 before the first."""
         return self._seq
 
+    def stamp(self) -> tuple[int, int]:
+        """A fresh (epoch, seq) that no entry will carry: for work applied in-process, so that a
+        command fence (kvtier/core/fence.py) orders it after every entry published before."""
+        self._seq += 1
+        return self._epoch, self._seq
+
     def _fields(self, event: Event) -> dict[FieldT, EncodableT]:
         self._seq += 1
         return {FIELD: encode(Envelope(event=event, producer=self._producer, epoch=self._epoch, seq=self._seq))}

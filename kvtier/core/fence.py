@@ -16,6 +16,7 @@ the per-handler checks (present, still leaving, staging generation) remain the g
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from kvtier.keys import BlockKey
 
@@ -45,3 +46,17 @@ class CommandFence:
         self._last.move_to_end(k)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)
+
+    def record_many(self, pool: str, keys: Iterable[BlockKey], stamp: Stamp) -> None:
+        """`record` for a batch of blocks applied under one stamp."""
+        last, move, cap = self._last, self._last.move_to_end, self.capacity
+        for key in keys:
+            k = (pool, key)
+            old = last.get(k)
+            if old is None:
+                last[k] = stamp  # a new key goes in last, where move_to_end would put it
+                if len(last) > cap:
+                    last.popitem(last=False)
+            else:
+                last[k] = stamp if stamp > old else old
+                move(k)

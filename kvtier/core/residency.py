@@ -102,6 +102,10 @@ class Residency:
         """The reserved slot holds its block: visible, the most recently used."""
         return self.tiers[t].commit(key)
 
+    def commit_many(self, t: Tier, entries: Iterable[Entry]) -> None:
+        """`commit` for a batch's entries of local tier `t` (as `reserve` or `claim` made them)."""
+        self.tiers[t].commit_many(entries)
+
     def restore(self, t: Tier, key: BlockKey, parent: BlockKey | None, slot: int) -> Entry | None:
         """Warm restart: a verified block found in slot `slot` of local tier `t` (READY); None
         if the slot or the key is taken already."""
@@ -120,6 +124,14 @@ class Residency:
         """A client wrote `key` into the granted `slot`: its PENDING entry, as `reserve` makes;
         None when the slot is not granted or `key` is here already."""
         return self._added(t, self.tiers[t].claim(slot, key, parent))
+
+    def claim_many(self, t: Tier, claims: Iterable[tuple[int, BlockKey, BlockKey | None]]) -> list[Entry | None]:
+        """`claim` for each (slot, key, parent) of a batch, in order; its owners counted at once."""
+        idx = self.tiers[t]
+        got = [idx.claim(slot, key, parent) for slot, key, parent in claims]
+        if t in NODE:
+            self.tenants.added_many(t, [e.key for e in got if e is not None])
+        return got
 
     def ungrant(self, t: Tier, slot: int) -> bool:
         """A granted slot comes back unused (its client died, or its put was a duplicate)."""

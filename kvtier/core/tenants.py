@@ -88,6 +88,14 @@ class TenantUsage:
             counts = self.blocks[t] = Counter()
         counts[self._owner.get(key, "")] += 1
 
+    def added_many(self, t: Tier, keys: Iterable[BlockKey]) -> None:
+        """`added` for a batch of keys (Counter.update counts them in C)."""
+        counts = self.blocks.get(t)
+        if counts is None:
+            counts = self.blocks[t] = Counter()
+        owner = self._owner.get
+        counts.update([owner(k, "") for k in keys])
+
     def removed(self, t: Tier, key: BlockKey, evicted: bool) -> None:
         counts = self.blocks.get(t)
         who = self.owner(key)

@@ -52,6 +52,7 @@ from kvtier.failpoints import Failpoints
 from kvtier.offload import default_copy_threads
 from kvtier.runtime import STATS, write_json_atomic
 from kvtier.shm.staging_files import StagingSegments
+from kvtier.tiers.granted_puts import GrantedPuts
 from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 from kvtier.tiers.worker import TierWorker
@@ -244,19 +245,19 @@ class Daemon:
 
         grants = self.grants = GrantBook(self.pools, staging, cfg.daemon.grant_blocks, self.log, cfg.daemon.grant_bytes)
         grants.renew(sorted(staging.present()))  # before serving: clients drop an earlier daemon's grants
-        coordinator = Coordinator(
-            self.pools, staging, publisher, self.names, self.log, on_facts if sinks else None,
-            router.note_tokens if router is not None else None, grants)
-        self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator", coordinator)]
-        for t in Tier:
-            if t == Tier.DISK and all(rt.disk is None for rt in self.pools.values()):
-                continue  # no pool has a disk tier, so no command goes there
-            worker = TierWorker(
-                t, self.pools, staging, publisher, self.names.facts, self.log,
-                off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
-                copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
-                flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections, failpoints=self.failpoints, grants=grants)
-            self.consumers.append(self._consumer(bus, [self.names.tier(t)], t.label, worker))
+        no_disk = all(rt.disk is None for rt in self.pools.values())  # then no command goes to a disk worker
+        workers = {t: TierWorker(
+            t, self.pools, staging, publisher, self.names.facts, self.log,
+            off_loop_bytes=0 if t == Tier.DISK else cfg.daemon.off_loop_copy_bytes,
+            copy_threads=cfg.daemon.copy_threads or default_copy_threads(),
+            flush_bytes=cfg.redis.pipeline_bytes * cfg.redis.connections, failpoints=self.failpoints, grants=grants)
+            for t in Tier if not (t == Tier.DISK and no_disk)}
+        cpu = workers[Tier.CPU]  # its fence and queue: a put's granted blocks are adopted by the coordinator
+        adopter = GrantedPuts(grants, cpu.fence, cpu.queued, publisher.stamp, self.log.bind(worker="coordinator"))
+        coordinator = Coordinator(self.pools, staging, publisher, self.names, self.log, on_facts if sinks else None,
+                                  router.note_tokens if router is not None else None, grants, adopter)
+        self.consumers = [self._consumer(bus, [self.names.client, self.names.facts], "coordinator", coordinator),
+                          *(self._consumer(bus, [self.names.tier(t)], t.label, w) for t, w in workers.items())]
 
     def _consumer(self, bus: AsyncRedis, streams: list[str], role: str, handler: Coordinator | TierWorker) -> Consumer:
         self.handlers[role] = handler

@@ -37,6 +37,7 @@ from kvtier.core.events import (
 from kvtier.core.residency import LOCAL
 from kvtier.errors import MalformedEvent
 from kvtier.keys import BlockKey
+from kvtier.tiers.granted_puts import GrantedPuts, InProcessFact
 from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
 
@@ -55,9 +56,10 @@ class Coordinator:
     def __init__(self, pools: dict[str, PoolRuntime], staging, publisher, names: StreamNames, log,
                  on_facts: Callable[[str, list[Stored | Removed]], None] | None = None,
                  on_tokens: Callable[[str, list[BlockKey], bytes], None] | None = None,
-                 grants: GrantBook | None = None) -> None:
+                 grants: GrantBook | None = None, granted_puts: GrantedPuts | None = None) -> None:
         self.pools = pools
         self.grants = grants
+        self.granted_puts = granted_puts  # adopts a put's granted blocks here (tiers/granted_puts.py)
         self.on_facts = on_facts  # the KV-event publisher (for routers), told once a batch is applied
         self.on_tokens = on_tokens  # ... and the token ids a put carried, which its events name
         self._facts: dict[str, list[Stored | Removed]] = {}
@@ -66,6 +68,10 @@ class Coordinator:
         self.names = names
         self.log = log.bind(worker="coordinator")
         self._cmds: list[Sent] = []
+        # Commands and router facts that follow from facts applied in-process (granted puts): no
+        # entry brings those facts back if the batch fails, so they wait for the next flush.
+        self._kept: list[Sent] = []
+        self._kept_facts: dict[str, list[Stored | Removed]] = {}
         self._touched: set[str] = set()
         self.applied = AppliedEntries()
 
@@ -78,6 +84,10 @@ class Coordinator:
             raise MalformedEvent(f"unknown pool {getattr(ev, 'pool', None)!r}")
         if isinstance(ev, Put):
             cmds = self._put(rt, ev)
+            if self.granted_puts is not None and ev.blocks and ev.blocks[0].granted:
+                # The client's ring refilled now, not at the batch's end: a client puts ahead of the
+                # daemon, and a batch of several puts would leave it to stage (copied twice) meanwhile.
+                self._in_process(await self.granted_puts.top_up())
         elif isinstance(ev, Access):
             held = list(rt.placement.on_node(ev.keys))
             for t, n in Counter(t for _, t in held).items():
@@ -97,46 +107,67 @@ class Coordinator:
         elif isinstance(ev, RemoteRead):
             rt.counters.remote_reads += len(ev.keys)
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
-        elif isinstance(ev, StoredBatch) and ev.cause == Cause.STORE and ev.tier in LOCAL:
-            # A put's blocks, stored (the common batch): settled at once, a Stored made per block only
-            # for the KV events.
-            if not len(ev.keys) == len(ev.parents) == len(ev.slots):
-                raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
-            cmds = rt.placement.on_stored(ev.tier, ev.keys, ev.parents)
-            if self.on_facts is not None:
-                self._facts.setdefault(rt.name, []).extend(ev.facts() or ())
         elif isinstance(ev, (Stored, StoredBatch, Removed)):
-            facts = [ev] if not isinstance(ev, StoredBatch) else ev.facts()
-            if facts is None:
-                raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
-            cmds = [c for f in facts for c in rt.placement.on_fact(f)]
-            if self.on_facts is not None:
-                self._facts.setdefault(rt.name, []).extend(facts)
+            cmds = self._fact(rt, ev, self._facts)
         else:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
         self._cmds.extend(cmds)
         self._touched.add(rt.name)
         self.applied.handled(d.envelope)
 
+    def _fact(self, rt: PoolRuntime, ev: InProcessFact, sink: dict[str, list[Stored | Removed]]) -> list[Sent]:
+        """A tier's fact, read from the facts stream or handed over in-process: its commands; its
+        per-block facts kept in `sink` for the router's KV events."""
+        if isinstance(ev, StoredBatch) and ev.cause == Cause.STORE and ev.tier in LOCAL:
+            # A put's blocks, stored (the common batch): settled at once, a Stored made per block only
+            # for the KV events.
+            if not len(ev.keys) == len(ev.parents) == len(ev.slots):
+                raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
+            cmds = rt.placement.on_stored(ev.tier, ev.keys, ev.parents)
+            if self.on_facts is not None:
+                sink.setdefault(rt.name, []).extend(ev.facts() or ())
+            return cmds
+        facts = [ev] if not isinstance(ev, StoredBatch) else ev.facts()
+        if facts is None:
+            raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
+        if self.on_facts is not None:
+            sink.setdefault(rt.name, []).extend(facts)
+        return [c for f in facts for c in rt.placement.on_fact(f)]
+
+    def _in_process(self, facts: list[InProcessFact]) -> None:
+        """Facts of work done here (granted puts, the grants' evictions), applied as the facts
+        stream's would be; what follows from them is kept until a flush publishes it."""
+        for f in facts:
+            self._kept.extend(self._fact(self.pools[f.pool], f, self._kept_facts))
+            self._touched.add(f.pool)
+
     async def flush(self) -> None:
-        """After each batch, before its acks: shed load where needed, publish all commands at once."""
+        """After each batch, before its acks: refill the clients' grants, shed load where needed,
+        publish all commands at once."""
+        if self.granted_puts is not None:
+            self._in_process(await self.granted_puts.top_up())
         for name in self._touched:
             self._cmds.extend(self.pools[name].placement.pressure(time.monotonic()))
         self._touched.clear()
         cmds, self._cmds = self._cmds, []
+        kept, self._kept = self._kept, []
         try:
-            if cmds:
-                await self.publisher.publish_many([(command_stream(self.names, c), c) for c in cmds])
+            if cmds or kept:
+                await self.publisher.publish_many([(command_stream(self.names, c), c) for c in (*kept, *cmds)])
         except BaseException:
             # Nothing was acked: the batch comes back. Forget the marks these commands made so
             # that the replay decides afresh (a mark left behind would pin a block or eat room).
             for c in cmds:  # (a pin stands: the replayed request extends it, charging nothing twice)
                 if not isinstance(c, Retain):
                     self.pools[c.pool].placement.revert(c.stores() if isinstance(c, StoreBatch) else [c])
+            self._kept = kept + self._kept  # what in-process facts called for: no replay brings it back
             self.applied.discard()
             self._facts.clear()  # the batch comes back, and its facts with it
             raise
         self.applied.commit()
+        for pool, fs in self._kept_facts.items():
+            self._facts.setdefault(pool, []).extend(fs)
+        self._kept_facts.clear()
         if self._facts:
             facts, self._facts = self._facts, {}
             for pool, fs in facts.items():
@@ -166,12 +197,21 @@ class Coordinator:
         tiers, copies = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted,
                                             ev.tenant)
         runs: dict[Tier, list[StagedBlock]] = {}  # one store_batch per tier: one command, one fact
+        adopt: list[StagedBlock] = []
         for b, tier in zip(blocks, tiers):
             if tier is None and b.granted:  # already cached here: the granted slot is freed
                 assert self.grants is not None
                 self.grants.give_back(rt, ev.segment, b.slot)
             elif tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
+            elif tier == Tier.CPU and b.granted and self.granted_puts is not None:
+                adopt.append(b)
             else:
                 runs.setdefault(tier, []).append(b)
+        if adopt:
+            facts = self.granted_puts.adopt(rt, ev.segment, adopt)  # type: ignore[union-attr]  # set if adopt
+            if facts is None:  # the cpu worker has work queued for one of them: it adopts them, in order
+                runs.setdefault(Tier.CPU, [])[:0] = adopt
+            else:
+                self._in_process(facts)
         return [*copies, *(StoreBatch(rt.name, tier, ev.segment, tuple(bs)) for tier, bs in runs.items())]

@@ -80,6 +80,10 @@ class Held:
             self.taken = deque(x for x in self.taken if self.holds(x[1], x[2]))
 
 
+def _not_whole(store: Store) -> tuple[Outcome, str]:
+    return failed(store, Tier.CPU, Failure.VERIFY), "granted slot changed, or not written whole"
+
+
 class GrantBook:
     def __init__(self, pools: dict[str, PoolRuntime], staging: StagingSegments, per_client: int, log: Log,
                  per_client_bytes: int = 256 << 20) -> None:
@@ -169,7 +173,7 @@ class GrantBook:
               & (gens % 2 == 0) & (snap["key"] == keys) & (snap["length"] == bb)).tolist()
         csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
         out: list[tuple[Outcome, str] | None] = []
-        flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry), made VALID below
+        claims: list[int] = []  # batch positions whose header checks out, claimed below together
         index, placement, take = rt.cpu.index, rt.placement, self.take
         used = False  # a grant of the segment was used: it is topped up at the next flush
         for j, b in enumerate(blocks):
@@ -190,17 +194,25 @@ class GrantBook:
                 self.release(rt, b.slot)  # another put stored it first
                 out.append((here, ""))
                 continue
-            entry = placement.claim(Tier.CPU, b.slot, b.key, b.parent) \
-                if ok[j] and tags[j] == key_tag(b.key, csums[j]) else None
-            if entry is None:
+            if not (ok[j] and tags[j] == key_tag(b.key, csums[j])):
                 self.release(rt, b.slot)
-                out.append((failed(batch.store(b), Tier.CPU, Failure.VERIFY),
-                            "granted slot changed, or not written whole"))
+                out.append(_not_whole(batch.store(b)))
                 continue
-            flips.append((j, entry))
+            claims.append(j)
             out.append(None)
         if used:
             self.want(rt.name, segment)
+        if not claims:
+            return out
+        # Claimed together (the owners counted once), as PENDING entries: made VALID below.
+        entries = placement.claim_many(Tier.CPU, [(blocks[j].slot, blocks[j].key, blocks[j].parent) for j in claims])
+        flips: list[tuple[int, Entry]] = []  # (batch position, claimed entry)
+        for j, entry in zip(claims, entries):
+            if entry is None:  # the key has an entry after all (a store of it on its way in)
+                self.release(rt, blocks[j].slot)
+                out[j] = _not_whole(batch.store(blocks[j]))
+            else:
+                flips.append((j, entry))
         if flips:
             at = [j for j, _ in flips]
             checked = snap[at]
@@ -212,8 +224,7 @@ class GrantBook:
                 for _, entry in flips:
                     rt.abort(rt.cpu, entry)
                 raise
-            for _, entry in flips:
-                rt.finish(rt.cpu, entry)
+            rt.finish_many(rt.cpu, [entry for _, entry in flips])
             rt.counters.granted_puts += len(flips)
         return out
 

@@ -121,6 +121,9 @@ class LocalTier:
     def publish(self, e: Entry) -> None:
         self.directory.set_slot(e.key, int(self.tier), e.slot)
 
+    def publish_many(self, entries: list[Entry]) -> None:
+        self.directory.set_slots(int(self.tier), [e.key for e in entries], [e.slot for e in entries])
+
     def discard(self, e: Entry) -> None:
         self.table.invalidate(e.slot)
 

@@ -63,6 +63,12 @@ class PoolRuntime:
         dst.publish(e)
         return e
 
+    def finish_many(self, dst: LocalTier, entries: list[Entry]) -> None:
+        """`finish` for a batch of reserved slots of `dst`, all filled: visible in the index, then
+        to clients."""
+        self.placement.commit_many(dst.tier, entries)
+        dst.publish_many(entries)
+
     def abort(self, dst: SlotTier, e: Entry) -> None:
         """Filling the reserved slot failed (or was cancelled): empty it, then free it."""
         dst.discard(e)

@@ -142,8 +142,8 @@ class TierWorker:
                       epoch=stamp[0], seq=stamp[1])
         return True
 
-    def _queued(self, rt: PoolRuntime, key: BlockKey) -> bool:
-        return (rt.name, key) in self._staged or (rt.name, key) in self._redis or (rt.name, key) in self._moves
+    def queued(self, pool: str, key: BlockKey) -> bool:  # this batch's queued work: a store, Redis I/O, a move
+        return (pool, key) in self._staged or (pool, key) in self._redis or (pool, key) in self._moves
 
     async def _adopt_granted(self, rt: PoolRuntime, batch: StoreBatch, stamp: tuple[int, int]) -> list[Store]:
         """A batch's blocks put into granted cpu slots, adopted together (GrantBook.adopt_blocks),
@@ -156,7 +156,7 @@ class TierWorker:
             self.fence.stale(rt.name, b.key, stamp) and self._fenced(rt, batch.store(b), stamp))]
         if todo:
             t0 = time.perf_counter()
-            if any(self._queued(rt, b.key) for b in todo):
+            if any(self.queued(rt.name, b.key) for b in todo):
                 await self._drain()  # per-block order holds within a batch too
             self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch, todo), t0)
             self._fences.extend((rt.name, b.key, stamp) for b in todo)
@@ -166,7 +166,7 @@ class TierWorker:
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
         if self._fenced(rt, ev, stamp):
             return
-        if self._queued(rt, ev.key):
+        if self.queued(rt.name, ev.key):
             await self._drain()  # per-block order holds within a batch too
         t0 = time.perf_counter()
         fact: Fact | None
