@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 from itertools import groupby
 from types import MappingProxyType
-from typing import ClassVar, NewType
+from typing import ClassVar, NamedTuple, NewType
 
 from kvtier.keys import BlockKey
 
@@ -78,11 +78,11 @@ class Failure(enum.StrEnum):
     DISK = "disk"  # the disk tier failed the write (EIO, ENOSPC, EROFS), or is off
 
 
-@dataclass(frozen=True, slots=True)
-class StagedBlock:
+class StagedBlock(NamedTuple):
     """One block a client wrote into its staging segment, or (`granted`) straight into a cpu
     arena slot the daemon granted it (kvtier/tiers/grants.py): then `slot` and `gen` are the
-    arena slot's."""
+    arena slot's. A NamedTuple, immutable as the events holding it are: a put makes and decodes
+    one a block, and a frozen dataclass costs 2.5 times as much to make (425 ns against 175)."""
 
     key: BlockKey
     parent: BlockKey | None

@@ -116,7 +116,7 @@ class Placement(Promotion):
     # --- admission -----------------------------------------------------------------------------
 
     def admit(self, keys: Sequence[BlockKey], now: float, parent: BlockKey | None = None, granted: int = 0,
-              tenant: str = "") -> list[Tier | None]:
+              tenant: str = "", adopting: bool = False) -> list[Tier | None]:
         """Where each new block from a client goes, head first: the highest local tier with room
         (counting blocks already on their way in), then, for a chain that does not fit, a slot
         the worker frees by dropping a colder chain's clean tail block, else straight to Redis
@@ -124,7 +124,9 @@ class Placement(Promotion):
         to the client (kvtier/tiers/grants.py): they go to the cpu tier, where their bytes are
         (promotion moves them up when they are hot). None for a block already here or already
         on its way (a duplicate put). A tenant with a cap (core/tenants.py) gets no more slots
-        of a tier than its cap leaves: the rest of its chain goes on down."""
+        of a tier than its cap leaves: the rest of its chain goes on down. `adopting`: the caller
+        adopts the granted blocks before its next decision (kvtier/tiers/granted_puts.py), so they
+        are never in flight and are not recorded as such."""
         self._expire(now)
         fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
         placed: dict[BlockKey, Tier] = {}  # the granted ones, in their cpu slots already
@@ -161,10 +163,11 @@ class Placement(Promotion):
                 out.append(None)  # here already, on its way, or a duplicate within this put
             else:
                 fresh.pop(key, None)
-                placed.pop(key, None)
+                granted_here = placed.pop(key, None) is not None
                 tier = place.get(key, Tier.REDIS)
                 if tier in self._incoming:
-                    self._incoming[tier].add(key, parent, until)
+                    if not (adopting and granted_here):
+                        self._incoming[tier].add(key, parent, until)
                     # Not counted for anyone yet (new to gpu and cpu, as checked above).
                     if tenant and self.tiers[Tier.DISK].get(key) is None:
                         self.tenants.claim(key, tenant)
@@ -173,11 +176,11 @@ class Placement(Promotion):
         return out
 
     def on_put(self, keys: Sequence[BlockKey], parent: BlockKey | None, now: float, granted: int = 0,
-               tenant: str = "") -> tuple[list[Tier | None], list[Command]]:
+               tenant: str = "", adopting: bool = False) -> tuple[list[Tier | None], list[Command]]:
         """`admit`, and the Redis copies a put that spills calls for (core/spill.py): the copies
         of its local ancestors go now, those of its own local head once they are stored.
         `tenant` is the name the put carries (before the operator's aliases)."""
-        tiers = self.admit(keys, now, parent, granted, self.tenants.rules.name(tenant))
+        tiers = self.admit(keys, now, parent, granted, self.tenants.rules.name(tenant), adopting)
         if (self.knobs.redis_write is RedisWrite.WRITE_THROUGH or self.knobs.redis_admit_after_hits
                 or Tier.REDIS not in tiers):
             return tiers, []

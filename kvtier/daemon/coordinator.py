@@ -194,8 +194,10 @@ class Coordinator:
             blocks, granted = blocks[granted:], 0
         if not blocks:
             return []
+        # Adopted here, unless the cpu worker has work queued for one of them: then it adopts them, in order.
+        inline = granted > 0 and self.granted_puts is not None and self.granted_puts.can_adopt(rt, blocks[:granted])
         tiers, copies = rt.placement.on_put([b.key for b in blocks], blocks[0].parent, time.monotonic(), granted,
-                                            ev.tenant)
+                                            ev.tenant, inline)
         runs: dict[Tier, list[StagedBlock]] = {}  # one store_batch per tier: one command, one fact
         adopt: list[StagedBlock] = []
         for b, tier in zip(blocks, tiers):
@@ -204,14 +206,10 @@ class Coordinator:
                 self.grants.give_back(rt, ev.segment, b.slot)
             elif tier is None:  # already cached here: hand the staging slot straight back
                 self.staging.release(ev.segment, rt.layout.block_bytes, b.slot, b.gen)
-            elif tier == Tier.CPU and b.granted and self.granted_puts is not None:
+            elif inline and b.granted:  # (admitted to the cpu tier, where its bytes are)
                 adopt.append(b)
             else:
                 runs.setdefault(tier, []).append(b)
         if adopt:
-            facts = self.granted_puts.adopt(rt, ev.segment, adopt)  # type: ignore[union-attr]  # set if adopt
-            if facts is None:  # the cpu worker has work queued for one of them: it adopts them, in order
-                runs.setdefault(Tier.CPU, [])[:0] = adopt
-            else:
-                self._in_process(facts)
+            self._in_process(self.granted_puts.adopt(rt, ev.segment, adopt))  # type: ignore[union-attr]  # inline
         return [*copies, *(StoreBatch(rt.name, tier, ev.segment, tuple(bs)) for tier, bs in runs.items())]

@@ -1,9 +1,11 @@
-"""A batch of slots made VALID in one pass: a tier worker adopting a put's granted slots.
+"""A batch of slots' headers written in one pass: a client filling a put's slots, the daemon
+adopting a put's granted slots (READY -> VALID).
 
-`SlotTable.end_write` publishes one slot's header under the seqlock; for a batch that is three
-struct reads and writes per block in Python. Here each step of the seqlock is one vectorised
-store over the whole batch, in the same order (gen odd, header, gen even), so a reader of any of
-these slots sees a whole header or a miss, as with end_write.
+`SlotTable.begin_write` and `end_write` publish one slot's header under the seqlock; for a batch
+that is three struct reads and writes per block in Python. Here each step of the seqlock is one
+vectorised store over the whole batch, in the same order (gen odd, header, gen even), so a reader
+of any of these slots sees a whole header or a miss, as with end_write. The writer must own every
+slot of the batch, as with begin_write.
 """
 
 from __future__ import annotations
@@ -13,7 +15,29 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.shm.slots import Flags
+from kvtier.shm.slots import SLOT_MAGIC, Flags
+
+
+def begin_writes(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """`begin_write` for a batch of distinct slots: each gen made odd in one store (readers of
+    these slots miss from here). The odd gens, for `end_writes`."""
+    cur = headers["gen"][slots]
+    odd = np.where(cur % 2 == 0, cur + 1, cur + 2)  # past a writer that died mid-write
+    headers["gen"][slots] = odd
+    return odd
+
+
+def end_writes(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], odd: npt.NDArray[np.uint64],
+               fields: dict[str, Any]) -> None:
+    """`end_write` for a batch of slots `begin_writes` made odd: the headers' `fields` (key,
+    length, checksum, flags, parent, tag: arrays, or one value for all) written with the odd gens,
+    then every gen even."""
+    body = headers[slots]  # a copy: the bytes past the fields are kept as they are
+    body["magic"], body["gen"] = SLOT_MAGIC, odd
+    for name, value in fields.items():
+        body[name] = value
+    headers[slots] = body
+    headers["gen"][slots] = odd + 1
 
 
 def flip_valid(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], checked: npt.NDArray[Any]) -> None:

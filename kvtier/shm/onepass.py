@@ -53,6 +53,22 @@ def checksum(data: HashInput) -> int:
     return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))
 
 
+def key_tags(keys: bytes, csums: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """`slots.key_tag` of each 32-byte key of `keys` (joined) with its checksum, for a batch's
+    headers: compiled, a few nanoseconds a key, where a Python call each costs 300."""
+    n = len(keys) // 32
+    sums = np.ascontiguousarray(csums, dtype=np.uint64)
+    if len(keys) % 32 or len(sums) != n:
+        raise ValueError(f"key_tags: {len(keys)} bytes of keys, {len(sums)} checksums")
+    tags = np.empty(n, dtype=np.uint64)
+    if _copy_hash is not None:
+        _copy_hash.key_tags(keys, sums, tags)
+        return tags
+    for j, c in enumerate(sums.tolist()):  # as slots.key_tag does it
+        tags[j] = xxhash.xxh3_64_intdigest(keys[32 * j:32 * j + 32] + c.to_bytes(8, "little"))
+    return tags
+
+
 class ChecksumStream(Protocol):
     """`checksum` taken piece by piece: python-xxhash's xxh3_64, or the compiled `Stream`."""
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.shm.onepass import copy_rows
-from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotTable, key_tag
+from kvtier.shm.onepass import copy_rows, key_tags
+from kvtier.shm.slots import SLOT_MAGIC, Flags, SlotTable
 
 
 def holds(table: SlotTable, slots: npt.NDArray[np.int64], keys: Sequence[bytes]) -> npt.NDArray[np.bool_]:
@@ -43,11 +43,9 @@ def _valid(table: SlotTable, slots: npt.NDArray[np.int64], keys: Sequence[bytes]
     ok = (slots >= 0) & (slots < table.n)
     idx = np.where(ok, slots, 0)
     before = table.headers(0, table.n)[idx]  # a copy: the gathered headers as they were now
-    want = np.frombuffer(b"".join(keys), dtype="V32") if keys else np.empty(0, dtype="V32")
+    joined = b"".join(keys)
+    want = np.frombuffer(joined, dtype="V32") if keys else np.empty(0, dtype="V32")
     ok &= ((before["magic"] == SLOT_MAGIC) & (before["gen"] % 2 == 0) & (before["flags"] == Flags.VALID)
-           & (before["key"] == want) & (before["length"] == table.block_bytes))
-    tags, csums = before["tag"].tolist(), before["checksum"].tolist()
-    for j in np.flatnonzero(ok).tolist():
-        if tags[j] != key_tag(keys[j], csums[j]):
-            ok[j] = False  # a header whose key and checksum are not one writer's: a miss
+           & (before["key"] == want) & (before["length"] == table.block_bytes)
+           & (before["tag"] == key_tags(joined, before["checksum"])))  # else not one writer's: a miss
     return ok, idx, before, want

@@ -21,8 +21,9 @@ import numpy.typing as npt
 
 from kvtier.core.events import StagedBlock
 from kvtier.keys import BlockKey
+from kvtier.shm.flips import begin_writes, end_writes
 from kvtier.shm.grant_ring import GRANT_USE_S, GrantRing
-from kvtier.shm.onepass import copy_rows
+from kvtier.shm.onepass import copy_rows, key_tags
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import (
     EMPTY_KEY,
@@ -122,10 +123,13 @@ class StagingWriter:
         while grants and now - grants[0][1] >= GRANT_USE_S:  # too old to start a write in: the daemon takes it back
             grants.popleft()
         grants.extend((s, now) for s in fresh if 0 <= s < self.arena.n)
+        slots = [grants.popleft()[0] for _ in range(min(len(keys), len(grants)))]
+        if not slots:
+            return []
+        odd = begin_writes(self.arena.headers(0, self.arena.n), np.array(slots, dtype=np.int64)).tolist()
         taken = []
-        for key in keys[:len(grants)]:
-            slot = grants.popleft()[0]
-            taken.append(StagedBlock(key, parent, slot, self.arena.begin_write(slot), granted=True))
+        for key, slot, gen in zip(keys, slots, odd):
+            taken.append(StagedBlock(key, parent, slot, gen, True))
             parent = key
         return taken
 
@@ -143,16 +147,28 @@ class StagingWriter:
         block_bytes] uint8, rows contiguous), in share order: each table's copies in one
         `copy_rows` call (compiled, all of them with the GIL released), then each block's header,
         READY with its even gen, as fill_slot writes it. Each source is hashed, never a slot."""
-        sums: dict[int, int] = {}
+        done: dict[int, StagedBlock] = {}
         for granted in (True, False):
             part = [(i, b) for i, b in share if b.granted is granted]
             if part:
-                table = self._table(part[0][1])
-                got = copy_rows(table.payloads(), np.fromiter((b.slot for _, b in part), np.int64, len(part)), rows,
-                                np.fromiter((i for i, _ in part), np.int64, len(part)), table.block_bytes,
-                                hash_src=True)
-                sums.update(zip((i for i, _ in part), got.tolist()))
-        return [self._commit(b, sums[i]) for i, b in share]
+                blocks = [b for _, b in part]
+                table = self._table(blocks[0])
+                slots = np.fromiter((b.slot for b in blocks), np.int64, len(blocks))
+                sums = copy_rows(table.payloads(), slots, rows, np.fromiter((i for i, _ in part), np.int64, len(part)),
+                                 table.block_bytes, hash_src=True)
+                done.update(zip((i for i, _ in part), self._commit_many(table, slots, blocks, sums)))
+        return [done[i] for i, _ in share]
+
+    def _commit_many(self, table: SlotTable, slots: npt.NDArray[np.int64], blocks: list[StagedBlock],
+                     sums: npt.NDArray[np.uint64]) -> list[StagedBlock]:
+        """`_commit` for a batch of one table's filled slots, each header step one store for all."""
+        keys = b"".join(b.key for b in blocks)
+        odd = np.fromiter((b.gen for b in blocks), np.uint64, len(blocks))
+        end_writes(table.headers(0, table.n), slots, odd, {
+            "flags": Flags.READY, "key": np.frombuffer(keys, dtype="V32"), "length": table.block_bytes,
+            "checksum": sums, "parent": np.frombuffer(b"".join(b.parent or EMPTY_KEY for b in blocks), dtype="V32"),
+            "tag": key_tags(keys, sums)})
+        return [StagedBlock(b.key, b.parent, b.slot, b.gen + 1, b.granted) for b in blocks]
 
     def _commit(self, b: StagedBlock, csum: int) -> StagedBlock:
         """A filled slot's header (key, parent, length, checksum, READY), then its even gen."""

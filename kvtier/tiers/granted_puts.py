@@ -19,7 +19,7 @@ redelivery of an older command for the same block (an evict) cannot undo it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from structlog.typing import FilteringBoundLogger
 
@@ -44,12 +44,16 @@ class GrantedPuts:
         self.facts = Facts(Tier.CPU, log)  # its own: the cpu worker's may hold a batch in progress
         self.evictions = Evictions(Tier.CPU, self.facts, log)
 
-    def adopt(self, rt: PoolRuntime, segment: str, blocks: list[StagedBlock]) -> list[InProcessFact] | None:
-        """Adopt a put's granted `blocks` (bound for the cpu tier); their facts, for the
-        coordinator to apply. None, with nothing done, when the cpu worker has work queued for one
-        of them: the caller sends them as a store_batch instead."""
-        if rt.cpu.device_payload is not None or any(self.queued(rt.name, b.key) for b in blocks):
-            return None
+    def can_adopt(self, rt: PoolRuntime, blocks: Sequence[StagedBlock]) -> bool:
+        """Whether a put's granted `blocks` may be adopted here: not when the cpu worker has work
+        queued for one of them (the caller sends them as a store_batch then, so that the worker's
+        per-block order holds)."""
+        name, queued = rt.name, self.queued
+        return rt.cpu.device_payload is None and not any(queued(name, b.key) for b in blocks)
+
+    def adopt(self, rt: PoolRuntime, segment: str, blocks: list[StagedBlock]) -> list[InProcessFact]:
+        """Adopt a put's granted `blocks` (bound for the cpu tier; `can_adopt` said so, nothing
+        having run since); their facts, for the coordinator to apply."""
         t0 = time.perf_counter()
         batch = StoreBatch(rt.name, Tier.CPU, segment, tuple(blocks))
         self.facts.report_adopted(rt, batch, blocks, self.grants.adopt_blocks(rt, batch, blocks), t0)

@@ -35,7 +35,8 @@ from kvtier.errors import SegmentError
 from kvtier.logs import Log
 from kvtier.shm.flips import flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RING, RingFile
-from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags, key_tag
+from kvtier.shm.onepass import key_tags
+from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
@@ -168,10 +169,11 @@ class GrantBook:
         # A gen no write leaves (negative, or past 63 bits) reads as odd: not written whole.
         gens = np.fromiter((b.gen if 0 <= b.gen < 1 << 63 else 1 for b in blocks), dtype=np.uint64,
                            count=len(blocks))
-        keys = np.frombuffer(b"".join(b.key for b in blocks), dtype="V32")
+        joined = b"".join(b.key for b in blocks)
+        # The tag must bind the key the put names to the header's checksum, as every reader demands.
         ok = ((snap["magic"] == SLOT_MAGIC) & (snap["flags"] == Flags.READY) & (snap["gen"] == gens)
-              & (gens % 2 == 0) & (snap["key"] == keys) & (snap["length"] == bb)).tolist()
-        csums, tags = snap["checksum"].tolist(), snap["tag"].tolist()
+              & (gens % 2 == 0) & (snap["key"] == np.frombuffer(joined, dtype="V32")) & (snap["length"] == bb)
+              & (snap["tag"] == key_tags(joined, snap["checksum"]))).tolist()
         out: list[tuple[Outcome, str] | None] = []
         claims: list[int] = []  # batch positions whose header checks out, claimed below together
         index, placement, take = rt.cpu.index, rt.placement, self.take
@@ -194,7 +196,7 @@ class GrantBook:
                 self.release(rt, b.slot)  # another put stored it first
                 out.append((here, ""))
                 continue
-            if not (ok[j] and tags[j] == key_tag(b.key, csums[j])):
+            if not ok[j]:
                 self.release(rt, b.slot)
                 out.append(_not_whole(batch.store(b)))
                 continue

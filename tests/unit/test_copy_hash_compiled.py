@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier.shm import onepass
 from kvtier.shm.onepass import checksum, copy_hashed, copy_hashed_py, copy_rows
+from kvtier.shm.slots import key_tag
 
 compiled = onepass._copy_hash  # None where it did not build: the first test says so
 GUARD = 64
@@ -223,3 +224,27 @@ def test_the_python_stream_where_the_copy_is_not_built(monkeypatch: pytest.Monke
     onepass.copy_streamed(h, dst[:300_001], src[:300_001])
     onepass.copy_streamed(h, dst[300_001:], src[300_001:], hash_src=True)
     assert h.intdigest() == checksum(src) and np.array_equal(dst, src)
+
+
+@settings(max_examples=50, deadline=None)
+@given(keys=st.lists(st.binary(min_size=32, max_size=32), max_size=40), seed=st.integers(0, 2**32 - 1))
+def test_key_tags_are_key_tag_of_each_key_compiled_and_in_python(keys: list[bytes], seed: int) -> None:
+
+    sums = np.random.default_rng(seed).integers(0, 2**64 - 1, len(keys), dtype=np.uint64, endpoint=True)
+    want = [key_tag(k, int(c)) for k, c in zip(keys, sums)]
+    assert onepass.key_tags(b"".join(keys), sums).tolist() == want
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(onepass, "_copy_hash", None)  # the path where the copy did not build
+        assert onepass.key_tags(b"".join(keys), sums).tolist() == want
+
+
+def test_key_tags_refuse_keys_and_checksums_that_do_not_pair() -> None:
+    assert compiled is not None
+    with pytest.raises(ValueError, match="32 bytes of keys"):
+        onepass.key_tags(bytes(32), np.zeros(2, dtype=np.uint64))
+    with pytest.raises(ValueError, match="33 bytes"):
+        onepass.key_tags(bytes(33), np.zeros(1, dtype=np.uint64))
+    with pytest.raises(ValueError, match="whole 32-byte keys"):
+        compiled.key_tags(bytes(33), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))
+    with pytest.raises(ValueError, match="key_tags: tags must hold 1"):
+        compiled.key_tags(bytes(32), np.zeros(1, dtype=np.uint64), np.zeros(2, dtype=np.uint64))

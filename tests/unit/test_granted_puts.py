@@ -93,6 +93,7 @@ def test_a_puts_granted_blocks_are_visible_once_handled_with_nothing_on_a_stream
             # Fenced after every command published before it (seq 100), before every later one.
             assert fence.stale("s", b.key, (EPOCH, 100)) and not fence.stale("s", b.key, (EPOCH, 10**6))
         assert rt.counters.granted_puts == 4 and rt.counters.tiers["cpu"].stored == 4
+        assert rt.placement.incoming(Tier.CPU) == 0, "never in flight: nothing to give up on later"
         asyncio.run(coord.flush())
         assert not [c for _, c in streams.sent if isinstance(c, StoreBatch)], "no command for the granted blocks"
         assert [f.key for f in facts if isinstance(f, Stored)] == keys, "the router hears of each block"
@@ -107,6 +108,7 @@ def test_a_put_whose_block_the_cpu_worker_has_queued_work_for_is_left_to_the_wor
         before = rt.cpu.table.headers(0, rt.cpu.table.n).copy()
         deliver(coord, Put("s", w.seg.name, tuple(filled), None, book.epoch), 1)
         assert all(rt.cpu.index.get(k) is None for k in keys) and rt.counters.granted_puts == 0
+        assert rt.placement.incoming(Tier.CPU) == 3, "on their way in, until the worker's fact"
         assert np.array_equal(rt.cpu.table.headers(0, rt.cpu.table.n), before), "no header touched here"
         asyncio.run(coord.flush())
         [cmd] = [c for _, c in streams.sent if isinstance(c, StoreBatch)]

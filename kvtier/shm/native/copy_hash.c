@@ -164,7 +164,7 @@ static int get_vector(PyObject *o, Py_buffer *b, Py_ssize_t n, int writable, int
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int integer = unsigned_ ? (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0) : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
     if (!integer || b->itemsize != 8 || b->len != n * 8) {
-        PyErr_Format(PyExc_ValueError, "copy_rows: %s must hold %zd 8-byte integers", what, n);
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd 8-byte integers", what, n);
         PyBuffer_Release(b);
         return -1;
     }
@@ -191,9 +191,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (PyObject_GetBuffer(args[5], &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail_s;
     Py_ssize_t n = out.itemsize ? out.len / out.itemsize : 0;
     PyBuffer_Release(&out);
-    if (get_vector(args[1], &dr, n, 0, 0, "dst_rows") < 0) goto fail_s;
-    if (get_vector(args[3], &sr, n, 0, 0, "src_rows") < 0) goto fail_dr;
-    if (get_vector(args[5], &out, n, 1, 1, "sums") < 0) goto fail_sr;
+    if (get_vector(args[1], &dr, n, 0, 0, "copy_rows: dst_rows") < 0) goto fail_s;
+    if (get_vector(args[3], &sr, n, 0, 0, "copy_rows: src_rows") < 0) goto fail_dr;
+    if (get_vector(args[5], &out, n, 1, 1, "copy_rows: sums") < 0) goto fail_sr;
     if (nbytes < 0 || nbytes > d.shape[1] || nbytes > s.shape[1]) {
         PyErr_Format(PyExc_ValueError, "copy_rows: %zd bytes do not fit a row", nbytes);
         goto fail_out;
@@ -240,6 +240,51 @@ fail_s:
 fail_d:
     PyBuffer_Release(&d);
     return NULL;
+}
+
+PyDoc_STRVAR(key_tags_doc,
+"key_tags(keys, csums, tags) -> None\n\n"
+"For each j, store in tags[j] the xxh3-64 of the 32-byte key keys[32j:32j+32] followed by csums[j]\n"
+"as 8 little-endian bytes: a slot header's tag (kvtier/shm/slots.py key_tag). keys is a contiguous\n"
+"buffer of whole keys; csums and tags uint64 vectors of one per key. Under the GIL: it is short.");
+
+static PyObject *key_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "key_tags(keys, csums, tags) takes three arguments");
+        return NULL;
+    }
+    Py_buffer k, c, t;
+    if (PyObject_GetBuffer(args[0], &k, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (k.len % 32) {
+        PyErr_Format(PyExc_ValueError, "key_tags: keys must be whole 32-byte keys, got %zd bytes", k.len);
+        PyBuffer_Release(&k);
+        return NULL;
+    }
+    Py_ssize_t n = k.len / 32;
+    if (get_vector(args[1], &c, n, 0, 1, "key_tags: csums") < 0) {
+        PyBuffer_Release(&k);
+        return NULL;
+    }
+    if (get_vector(args[2], &t, n, 1, 1, "key_tags: tags") < 0) {
+        PyBuffer_Release(&c);
+        PyBuffer_Release(&k);
+        return NULL;
+    }
+    const unsigned char *kp = (const unsigned char *)k.buf;
+    const uint64_t *cp = (const uint64_t *)c.buf;
+    uint64_t *tp = (uint64_t *)t.buf;
+    unsigned char rec[40];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        memcpy(rec, kp + 32 * j, 32);
+        uint64_t v = cp[j];
+        for (int i = 0; i < 8; i++) rec[32 + i] = (unsigned char)(v >> (8 * i));  /* little-endian on any host */
+        tp[j] = XXH3_64bits(rec, sizeof rec);
+    }
+    PyBuffer_Release(&t);
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&k);
+    Py_RETURN_NONE;
 }
 
 /* A checksum taken over several copies (a block that lands in runs: vLLM's per-layer pages,
@@ -346,6 +391,7 @@ static PyTypeObject StreamType = {
 static PyMethodDef methods[] = {
     {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
+    {"key_tags", (PyCFunction)(void (*)(void))key_tags, METH_FASTCALL, key_tags_doc},
     {NULL, NULL, 0, NULL},
 };
 
