@@ -53,6 +53,9 @@ class DiskMoves:
         self._local = threading.local()  # each copy thread's block buffer
         self.nbytes = 0
 
+    def __len__(self) -> int:  # blocks queued in this batch
+        return len(self._blocks)
+
     def __contains__(self, block: tuple[str, BlockKey]) -> bool:
         return block in self._blocks
 

@@ -19,7 +19,7 @@ redelivery of an older command for the same block (an evict) cannot undo it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from structlog.typing import FilteringBoundLogger
 
@@ -35,11 +35,11 @@ InProcessFact = Fact | StoredBatch
 
 
 class GrantedPuts:
-    def __init__(self, grants: GrantBook, fence: CommandFence, queued: Callable[[str, BlockKey], bool],
+    def __init__(self, grants: GrantBook, fence: CommandFence, queued: Callable[[str, Iterable[BlockKey]], bool],
                  stamp: Callable[[], Stamp], log: FilteringBoundLogger) -> None:
         self.grants = grants
         self.fence = fence  # the cpu worker's
-        self.queued = queued  # whether the cpu worker holds queued work for (pool, key)
+        self.queued = queued  # whether the cpu worker holds queued work for any of (pool, keys)
         self.stamp = stamp  # a fresh (epoch, seq) of the daemon's publisher
         self.facts = Facts(Tier.CPU, log)  # its own: the cpu worker's may hold a batch in progress
         self.evictions = Evictions(Tier.CPU, self.facts, log)
@@ -48,8 +48,7 @@ class GrantedPuts:
         """Whether a put's granted `blocks` may be adopted here: not when the cpu worker has work
         queued for one of them (the caller sends them as a store_batch then, so that the worker's
         per-block order holds)."""
-        name, queued = rt.name, self.queued
-        return rt.cpu.device_payload is None and not any(queued(name, b.key) for b in blocks)
+        return rt.cpu.device_payload is None and not self.queued(rt.name, [b.key for b in blocks])
 
     def adopt(self, rt: PoolRuntime, segment: str, blocks: list[StagedBlock]) -> list[InProcessFact]:
         """Adopt a put's granted `blocks` (bound for the cpu tier; `can_adopt` said so, nothing

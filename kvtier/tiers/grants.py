@@ -47,28 +47,26 @@ CLIENT_SHARE = 16  # ... and one client's at most a sixteenth, so others get the
 GRANT_MIN_SLOTS = 256
 
 
-@dataclass(slots=True, eq=False)
-class Mark:
-    """One grant of a slot (compared by identity: the slot may be granted again later)."""
-
-    pos: int  # the grant's position in the client's ring
-
-
 @dataclass(slots=True)
 class Held:
+    """One client's grants. A grant is its slot and its position in the client's ring: positions
+    grow with every push and are never handed out again once pushed (a failed push's are, but
+    its slots stay booked until `forget`), so (slot, position) names one grant of the slot, not
+    one it had before or since."""
+
     pool: str
     head: int  # the ring's head, as this daemon wrote it
-    slots: dict[int, Mark] = field(default_factory=dict)  # granted, not adopted or taken back yet
+    slots: dict[int, int] = field(default_factory=dict)  # slot -> position: granted, not adopted or taken back yet
     # The sweep's queues, so that it walks what changed since the last one, not every grant held:
-    # grants pushed, in ring order, not yet seen taken; and (when first seen taken, slot, grant),
+    # grants pushed, in ring order, not yet seen taken; and (when first seen taken, slot, position),
     # oldest first. An entry whose grant has gone since (adopted, taken back) is dropped when the
     # sweep meets it, or when its queue outgrows what is held (`compact`).
-    in_ring: deque[tuple[int, Mark]] = field(default_factory=deque)
-    taken: deque[tuple[float, int, Mark]] = field(default_factory=deque)
+    in_ring: deque[tuple[int, int]] = field(default_factory=deque)
+    taken: deque[tuple[float, int, int]] = field(default_factory=deque)
 
-    def holds(self, slot: int, mark: Mark) -> bool:
+    def holds(self, slot: int, pos: int) -> bool:
         """Whether this very grant (not one the slot had before or since) is still held."""
-        return self.slots.get(slot) is mark
+        return self.slots.get(slot) == pos
 
     def compact(self) -> None:
         """Drop the gone grants' entries once a queue holds far more than is held: the tail the
@@ -176,7 +174,9 @@ class GrantBook:
               & (snap["tag"] == key_tags(joined, snap["checksum"]))).tolist()
         out: list[tuple[Outcome, str] | None] = []
         claims: list[int] = []  # batch positions whose header checks out, claimed below together
-        index, placement, take = rt.cpu.index, rt.placement, self.take
+        index, placement = rt.cpu.index, rt.placement
+        h = self._held.get(segment)  # `take`, once for the batch: its grants, if of this pool
+        book: dict[int, int] = h.slots if h is not None and h.pool == rt.name else {}
         used = False  # a grant of the segment was used: it is topped up at the next flush
         for j, b in enumerate(blocks):
             if not inside[j]:
@@ -187,7 +187,7 @@ class GrantBook:
             if e is not None and e.slot == b.slot and (here := held(placement, batch.store(b), Tier.CPU)):
                 out.append((here, ""))  # adopted already: a redelivery
                 continue
-            if not take(rt.name, segment, b.slot):
+            if book.pop(b.slot, None) is None:
                 out.append((failed(batch.store(b), Tier.CPU, Failure.BAD_STAGING),
                             f"slot {b.slot} not granted to {segment}"))
                 continue
@@ -261,7 +261,7 @@ class GrantBook:
                         rt.placement.ungrant(Tier.CPU, slot)
                     continue
                 # Booked first: a push that fails leaves them to `forget`.
-                marks = [(s, Mark(h.head + i)) for i, s in enumerate(slots)]
+                marks = list(zip(slots, range(h.head, h.head + len(slots))))
                 h.slots.update(marks)
                 if slots:
                     h.head = ring.push(h.head, slots)
@@ -303,7 +303,7 @@ class GrantBook:
                 continue
             tail = st[3]  # the client's word: a tail pushed ahead only expires its own grants sooner
             in_ring, taken = h.in_ring, h.taken
-            while in_ring and in_ring[0][1].pos < tail:  # taken since the last sweep: its time starts now
+            while in_ring and in_ring[0][1] < tail:  # taken since the last sweep: its time starts now
                 slot, mark = in_ring.popleft()
                 if h.holds(slot, mark):
                     taken.append((now, slot, mark))

@@ -49,6 +49,9 @@ class StagedStores:
         self._blocks: set[tuple[str, BlockKey]] = set()
         self.nbytes = 0
 
+    def __len__(self) -> int:  # blocks queued in this batch
+        return len(self._blocks)
+
     def __contains__(self, block: tuple[str, BlockKey]) -> bool:
         """Whether (pool, key) is queued in this batch."""
         return block in self._blocks

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -142,8 +142,9 @@ class TierWorker:
                       epoch=stamp[0], seq=stamp[1])
         return True
 
-    def queued(self, pool: str, key: BlockKey) -> bool:  # this batch's queued work: a store, Redis I/O, a move
-        return (pool, key) in self._staged or (pool, key) in self._redis or (pool, key) in self._moves
+    def queued(self, pool: str, keys: Iterable[BlockKey]) -> bool:  # this batch's work (store, Redis I/O, move) for any
+        qs = [q for q in (self._staged, self._redis, self._moves) if len(q)]  # mostly none
+        return bool(qs) and any((pool, k) in q for k in keys for q in qs)
 
     async def _adopt_granted(self, rt: PoolRuntime, batch: StoreBatch, stamp: tuple[int, int]) -> list[Store]:
         """A batch's blocks put into granted cpu slots, adopted together (GrantBook.adopt_blocks),
@@ -156,7 +157,7 @@ class TierWorker:
             self.fence.stale(rt.name, b.key, stamp) and self._fenced(rt, batch.store(b), stamp))]
         if todo:
             t0 = time.perf_counter()
-            if any(self.queued(rt.name, b.key) for b in todo):
+            if self.queued(rt.name, (b.key for b in todo)):
                 await self._drain()  # per-block order holds within a batch too
             self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch, todo), t0)
             self._fences.extend((rt.name, b.key, stamp) for b in todo)
@@ -166,7 +167,7 @@ class TierWorker:
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
         if self._fenced(rt, ev, stamp):
             return
-        if self.queued(rt.name, ev.key):
+        if self.queued(rt.name, (ev.key,)):
             await self._drain()  # per-block order holds within a batch too
         t0 = time.perf_counter()
         fact: Fact | None
@@ -183,8 +184,7 @@ class TierWorker:
         self._fences.append((rt.name, ev.key, stamp))
 
     async def flush(self) -> None:
-        """After each batch, before its acks: finish queued Redis I/O, then report every
-        outcome in one pipeline."""
+        """After each batch, before its acks: finish queued Redis I/O, then report every outcome in one pipeline."""
         try:
             await self._drain()
             if self.grants is not None:

@@ -50,7 +50,7 @@ class Streams:
         self.sent.extend(items)
 
 
-def granted_put(rt, staging, w, log, n: int, queued=lambda pool, key: False, policy_streams: Streams | None = None):
+def granted_put(rt, staging, w, log, n: int, queued=lambda pool, keys: False, policy_streams: Streams | None = None):
     """A coordinator with granted puts on, and a put of `n` blocks the client wrote into granted slots."""
     book = GrantBook({"s": rt}, staging, n, log)
     book.renew(sorted(staging.present()))
@@ -103,7 +103,7 @@ def test_a_put_whose_block_the_cpu_worker_has_queued_work_for_is_left_to_the_wor
     with grant_pool("granted-queued") as (rt, staging, w, log):
         busy: set[bytes] = set()
         coord, streams, fence, facts, keys, filled, rows, book = granted_put(
-            rt, staging, w, log, 3, queued=lambda pool, key: key in busy)
+            rt, staging, w, log, 3, queued=lambda pool, keys: bool(busy & set(keys)))
         busy.add(keys[1])
         before = rt.cpu.table.headers(0, rt.cpu.table.n).copy()
         deliver(coord, Put("s", w.seg.name, tuple(filled), None, book.epoch), 1)
