@@ -11,7 +11,6 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.bus.connect import AsyncRedis, is_cluster, make_blocks_redis, make_redis
@@ -29,7 +28,7 @@ from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
 from kvtier.keys import BlockKey, chain_keys, check_keys, root_key
 from kvtier.logs import Log, LogThrottle
-from kvtier.offload import default_copy_threads
+from kvtier.offload import CopyThreads, default_copy_threads
 from kvtier.processes import pid_alive
 from kvtier.runtime import DESCRIPTOR, runtime_dir_for
 from kvtier.store.batches import batches_for
@@ -52,7 +51,7 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         self._rdir = rdir
         self._staging_blocks = staging_blocks
         self._copy_threads = copy_threads
-        self._copier: ThreadPoolExecutor | None = None  # made on the first big copy
+        self._copier: CopyThreads | None = None  # made on the first big copy
         self.off_loop_bytes = OFF_LOOP_BYTES
         self.desc = desc
         self.node = desc.node

@@ -9,7 +9,6 @@ which provides the pools, the copy threads, the read reports and the read-throug
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -23,7 +22,7 @@ from kvtier.client.results import ClientStats, Lookup, ReadCounts
 from kvtier.errors import RedisUnavailable
 from kvtier.keys import BlockKey, check_keys
 from kvtier.logs import LogThrottle
-from kvtier.offload import SHARED_MIN_BLOCK, SHARED_MIN_BLOCK_BATCHED, map_shares, share_threads
+from kvtier.offload import SHARED_MIN_BLOCK, SHARED_MIN_BLOCK_BATCHED, CopyThreads, share_threads
 from kvtier.shm.onepass import COMPILED
 
 T = TypeVar("T")  # what a copy works through (block indexes, staged blocks)
@@ -32,7 +31,7 @@ CopyOut = Callable[[int, npt.NDArray[np.uint8]], object]  # copy_out(i, src): bl
 
 
 class ClientReads:
-    _copier: ThreadPoolExecutor | None
+    _copier: CopyThreads | None
     _copy_threads: int
     off_loop_bytes: int
     _access: AccessReports
@@ -113,12 +112,12 @@ class ClientReads:
         ok = await rows.read(range(start, len(bkeys)), bkeys)
         return next((i for i, hit in enumerate(ok) if not hit), len(ok))
 
-    def _copier_for(self, blocks: int, p: ClientPool) -> ThreadPoolExecutor | None:
+    def _copier_for(self, blocks: int, p: ClientPool) -> CopyThreads | None:
         """The copy threads for a read-through's verification, once it is big enough for them."""
         if blocks * p.block_bytes < self.off_loop_bytes:
             return None
         if self._copier is None:
-            self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="kvtier-copy")
+            self._copier = CopyThreads(self._copy_threads)
         return self._copier
 
     async def _copy(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], nbytes: int,
@@ -128,8 +127,8 @@ class ClientReads:
         if nbytes < self.off_loop_bytes or not items:
             return fn(items)
         if self._copier is None:
-            self._copier = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="kvtier-copy")
-        return await map_shares(self._copier, fn, items, threads or self._copy_threads)
+            self._copier = CopyThreads(self._copy_threads)
+        return await self._copier.map_shares(fn, items, threads or self._copy_threads)
 
 
 class Rows:
