@@ -81,8 +81,9 @@ class Failure(enum.StrEnum):
 class StagedBlock(NamedTuple):
     """One block a client wrote into its staging segment, or (`granted`) straight into a cpu
     arena slot the daemon granted it (kvtier/tiers/grants.py): then `slot` and `gen` are the
-    arena slot's. A NamedTuple, immutable as the events holding it are: a put makes and decodes
-    one a block, and a frozen dataclass costs 2.5 times as much to make (425 ns against 175)."""
+    arena slot's. A NamedTuple, immutable as the events holding it are: a put's client makes two
+    a block and the daemon decodes one, and a frozen dataclass costs 2.5 times as much to make
+    (425 ns against 175)."""
 
     key: BlockKey
     parent: BlockKey | None

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Iterator, KeysView
 
 from kvtier.core.events import Tier
-from kvtier.core.index import Entry, TierIndex
+from kvtier.core.index import Entry, State, TierIndex
 from kvtier.core.pins import Pins
 from kvtier.core.residency import NODE, Residency
 from kvtier.keys import BlockKey
@@ -127,6 +127,13 @@ class Room(Residency):
     def room(self, t: Tier) -> int:
         idx = self.tiers[t]
         return max(0, idx.free - self.incoming(t)) if idx.capacity else 0
+
+    def still_clean(self, t: Tier, key: BlockKey) -> bool:
+        """Whether `key`, which `clean_victim` chose, may still be dropped from `t`: visible there,
+        with no child there, and clean. For a worker that waited on Redis since the choice."""
+        idx = self.tiers[t]
+        e = idx.get(key)
+        return e is not None and e.state is State.READY and not idx.children(key) and self._clean(t, e)
 
     def clean_victim(self, t: Tier) -> BlockKey | None:
         """A block `t` may drop right now to make room: one the next tier is believed to hold.

@@ -68,10 +68,11 @@ class Coordinator:
         self.names = names
         self.log = log.bind(worker="coordinator")
         self._cmds: list[Sent] = []
-        # Commands and router facts that follow from facts applied in-process (granted puts): no
-        # entry brings those facts back if the batch fails, so they wait for the next flush.
+        # Commands, and the router's facts, that follow from facts applied in-process (granted
+        # puts, the grants' evictions): no entry brings those back if the batch fails, so they
+        # wait for the next flush. (The router's are in `_facts` too, in the order they came.)
         self._kept: list[Sent] = []
-        self._kept_facts: dict[str, list[Stored | Removed]] = {}
+        self._own_facts: dict[str, list[Stored | Removed]] = {}
         self._touched: set[str] = set()
         self.applied = AppliedEntries()
 
@@ -84,10 +85,6 @@ class Coordinator:
             raise MalformedEvent(f"unknown pool {getattr(ev, 'pool', None)!r}")
         if isinstance(ev, Put):
             cmds = self._put(rt, ev)
-            if self.granted_puts is not None and ev.blocks and ev.blocks[0].granted:
-                # The client's ring refilled now, not at the batch's end: a client puts ahead of the
-                # daemon, and a batch of several puts would leave it to stage (copied twice) meanwhile.
-                self._in_process(await self.granted_puts.top_up())
         elif isinstance(ev, Access):
             held = list(rt.placement.on_node(ev.keys))
             for t, n in Counter(t for _, t in held).items():
@@ -108,50 +105,59 @@ class Coordinator:
             rt.counters.remote_reads += len(ev.keys)
             cmds = rt.placement.on_remote_read(ev.keys, ev.head_parent, time.monotonic())
         elif isinstance(ev, (Stored, StoredBatch, Removed)):
-            cmds = self._fact(rt, ev, self._facts)
+            cmds = self._fact(rt, ev)
         else:
             raise MalformedEvent(f"{ev.TYPE} does not belong on the client or facts stream")
         self._cmds.extend(cmds)
         self._touched.add(rt.name)
         self.applied.handled(d.envelope)
+        if isinstance(ev, Put) and self.granted_puts is not None and ev.blocks and ev.blocks[0].granted:
+            # The client's ring refilled now, not at the batch's end: a client puts ahead of the
+            # daemon, and a batch of several puts would leave it to stage (copied twice) meanwhile.
+            self._in_process(await self.granted_puts.top_up())
 
-    def _fact(self, rt: PoolRuntime, ev: InProcessFact, sink: dict[str, list[Stored | Removed]]) -> list[Sent]:
-        """A tier's fact, read from the facts stream or handed over in-process: its commands; its
-        per-block facts kept in `sink` for the router's KV events."""
+    def _fact(self, rt: PoolRuntime, ev: InProcessFact, own: bool = False) -> list[Sent]:
+        """A tier's fact, read from the facts stream or (`own`) of work done here: its commands;
+        its per-block facts noted for the router's KV events."""
         if isinstance(ev, StoredBatch) and ev.cause == Cause.STORE and ev.tier in LOCAL:
             # A put's blocks, stored (the common batch): settled at once, a Stored made per block only
             # for the KV events.
             if not len(ev.keys) == len(ev.parents) == len(ev.slots):
                 raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
-            cmds = rt.placement.on_stored(ev.tier, ev.keys, ev.parents)
             if self.on_facts is not None:
-                sink.setdefault(rt.name, []).extend(ev.facts() or ())
-            return cmds
+                self._note(rt.name, ev.facts() or [], own)
+            return rt.placement.on_stored(ev.tier, ev.keys, ev.parents)
         facts = [ev] if not isinstance(ev, StoredBatch) else ev.facts()
         if facts is None:
             raise MalformedEvent("a stored_batch's keys, parents and slots differ in length")
         if self.on_facts is not None:
-            sink.setdefault(rt.name, []).extend(facts)
+            self._note(rt.name, facts, own)
         return [c for f in facts for c in rt.placement.on_fact(f)]
+
+    def _note(self, pool: str, facts: list[Stored | Removed], own: bool) -> None:
+        self._facts.setdefault(pool, []).extend(facts)
+        if own:
+            self._own_facts.setdefault(pool, []).extend(facts)
 
     def _in_process(self, facts: list[InProcessFact]) -> None:
         """Facts of work done here (granted puts, the grants' evictions), applied as the facts
         stream's would be; what follows from them is kept until a flush publishes it."""
         for f in facts:
-            self._kept.extend(self._fact(self.pools[f.pool], f, self._kept_facts))
+            self._kept.extend(self._fact(self.pools[f.pool], f, own=True))
             self._touched.add(f.pool)
 
     async def flush(self) -> None:
         """After each batch, before its acks: refill the clients' grants, shed load where needed,
         publish all commands at once."""
-        if self.granted_puts is not None:
-            self._in_process(await self.granted_puts.top_up())
         for name in self._touched:
             self._cmds.extend(self.pools[name].placement.pressure(time.monotonic()))
         self._touched.clear()
         cmds, self._cmds = self._cmds, []
         kept, self._kept = self._kept, []
         try:
+            if self.granted_puts is not None:  # (a failure here is the batch's, as a publish's is)
+                self._in_process(await self.granted_puts.top_up())
+                kept, self._kept = kept + self._kept, []
             if cmds or kept:
                 await self.publisher.publish_many([(command_stream(self.names, c), c) for c in (*kept, *cmds)])
         except BaseException:
@@ -162,12 +168,11 @@ class Coordinator:
                     self.pools[c.pool].placement.revert(c.stores() if isinstance(c, StoreBatch) else [c])
             self._kept = kept + self._kept  # what in-process facts called for: no replay brings it back
             self.applied.discard()
-            self._facts.clear()  # the batch comes back, and its facts with it
+            # The batch comes back, and its facts with it; those of work done here do not.
+            self._facts = {pool: list(fs) for pool, fs in self._own_facts.items()}
             raise
         self.applied.commit()
-        for pool, fs in self._kept_facts.items():
-            self._facts.setdefault(pool, []).extend(fs)
-        self._kept_facts.clear()
+        self._own_facts.clear()
         if self._facts:
             facts, self._facts = self._facts, {}
             for pool, fs in facts.items():

@@ -61,8 +61,8 @@ def key_tags(keys: bytes, csums: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     if len(keys) % 32 or len(sums) != n:
         raise ValueError(f"key_tags: {len(keys)} bytes of keys, {len(sums)} checksums")
     tags = np.empty(n, dtype=np.uint64)
-    if _copy_hash is not None:
-        _copy_hash.key_tags(keys, sums, tags)
+    if (compiled := getattr(_copy_hash, "key_tags", None)) is not None:  # (a build from before it: Python)
+        compiled(keys, sums, tags)
         return tags
     for j, c in enumerate(sums.tolist()):  # as slots.key_tag does it
         tags[j] = xxhash.xxh3_64_intdigest(keys[32 * j:32 * j + 32] + c.to_bytes(8, "little"))

@@ -39,7 +39,12 @@ class Evictions:
             return None
         verdict = evict_verdict(rt.placement, self.tier, ev.key, ev.reason)
         if verdict is Verdict.ASK_REDIS:
-            verdict = after_redis_check(await self._redis_has(rt, ev.key), ev.reason)
+            present = await self._redis_has(rt, ev.key)
+            # Asked again: the tier may have changed while Redis answered (a child adopted by the
+            # coordinator, a reader's pin, another eviction of the block).
+            verdict = evict_verdict(rt.placement, self.tier, ev.key, ev.reason)
+            if verdict is Verdict.ASK_REDIS:
+                verdict = after_redis_check(present, ev.reason)
         if verdict is Verdict.DROP:
             rt.drop(local, ev.key)
             return self.facts.settle(rt, evicted(rt.name, ev.key, self.tier, ev.reason))
@@ -62,6 +67,8 @@ class Evictions:
             victim, verdict = choice
             if verdict is Verdict.ASK_REDIS:
                 verdict = after_redis_check(await self._redis_has(rt, victim), Reason.MAKE_ROOM)
+                if not rt.placement.still_clean(self.tier, victim):
+                    continue  # changed while Redis answered (a child arrived, another evictor took it)
             if verdict is Verdict.DROP:
                 rt.drop(dst, victim)
                 self.log.debug("tier.evicted", pool=rt.name, key=victim.hex()[:16], reason=Reason.MAKE_ROOM.value)

@@ -4,9 +4,13 @@ A client with grants has written its blocks into their final cpu arena slots alr
 (kvtier/tiers/grants.py); what is left is to check each header and make it visible, which touches
 no payload and waits on nothing. Sent through the streams as every other command is, it cost a
 store_batch to the cpu worker and a stored_batch back, each encoded, written to Redis, read,
-decoded and acked: about a third of the daemon's CPU on a put of small blocks (docs/performance.md,
-the thirteenth stop). A grant is this daemon's alone (its epoch), so the stream's durability
-bought nothing: a restarted daemon refuses an earlier daemon's grants in any case.
+decoded and acked: about a sixth of the daemon's CPU on a put of 64 KiB blocks (13.5 us a block
+against 11.2; docs/performance.md, the thirteenth stop). A grant is this daemon's alone (its
+epoch): a restarted daemon refuses an earlier daemon's grants, so the blocks themselves lose
+nothing by not travelling. What their facts call for (write-through and spill copies to Redis,
+the router's events) is kept in memory until the coordinator's next flush publishes it: a
+daemon killed in between loses that, where the old store_batch would have been redelivered; the
+blocks come back with a warm restart, without those copies.
 
 So the coordinator adopts them itself, through the same GrantBook code the cpu worker used, and
 applies their facts in-process as if read from the facts stream. What stays with the cpu worker:

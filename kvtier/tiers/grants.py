@@ -20,6 +20,7 @@ when they expire unused (GRANT_EXPIRE_S), and when the client dies or closes its
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections import deque
@@ -96,6 +97,7 @@ class GrantBook:
         self.log = log.bind(worker="grants")
         self._held: dict[str, Held] = {}
         self._wanted: dict[str, str] = {}  # segment -> pool: to top up at the cpu worker's next flush
+        self._topping_up = asyncio.Lock()
 
     def want(self, pool: str, segment: str) -> None:
         """The segment's client puts into this pool's cpu tier: grant it slots at the next top-up."""
@@ -232,7 +234,13 @@ class GrantBook:
 
     async def top_up(self, make_room: Callable[[PoolRuntime], Awaitable[bool]]) -> int:
         """Grant the wanted segments free cpu slots up to `client_cap` each, freeing clean blocks
-        with `make_room(rt)` where none is free. How many were granted."""
+        with `make_room(rt)` where none is free. How many were granted. One top-up at a time (the
+        coordinator's and the cpu worker's): each reads a ring's room before it waits in
+        `make_room` and pushes after, so two at once could overrun the ring."""
+        async with self._topping_up:
+            return await self._top_up(make_room)
+
+    async def _top_up(self, make_room: Callable[[PoolRuntime], Awaitable[bool]]) -> int:
         wanted, self._wanted = self._wanted, {}
         total = 0
         for segment, pool in wanted.items():

@@ -5,7 +5,6 @@ for byte, since clients read that shared memory."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +17,7 @@ from kvtier.core.index import TierIndex
 from kvtier.core.residency import Residency
 from kvtier.layout import BlockLayout
 from kvtier.shm.directory import NO_SLOT, DirectoryWriter, directory_bytes
-from kvtier.shm.segment import ShmSegment
+from tests.support.segments import segment_factory
 
 KEYS = [bytes([i]) * 32 for i in range(1, 25)]
 key = st.sampled_from(KEYS)
@@ -47,7 +46,7 @@ def test_commit_many_is_commit_block_after_block(batches) -> None:
 def test_claim_many_is_claim_block_after_block(batches, owners) -> None:
     def residency() -> Residency:
         r = Residency({Tier.GPU: TierIndex(0), Tier.CPU: TierIndex(16), Tier.REDIS: TierIndex(None)})
-        r.grant(Tier.CPU, 12)  # slots 12-15 stay free: claiming one is refused
+        r.grant(Tier.CPU, 12)  # slots 4-15 granted, 0-3 left free: claiming one of those is refused
         for k, who in owners.items():
             r.tenants.claim(k, who)
         return r
@@ -89,14 +88,5 @@ def test_record_many_is_record_block_after_block(batches) -> None:
 
 @pytest.fixture(scope="module")
 def segments() -> Iterator:
-    made: list[ShmSegment] = []
-
-    def make(size: int) -> ShmSegment:
-        seg = ShmSegment.create(f"kvtier-test-batchops-{uuid.uuid4().hex[:8]}", size)
-        made.append(seg)
-        return seg
-
-    yield make
-    for seg in made:
-        seg.close()
-        seg.unlink()
+    with segment_factory("kvtier.test-batchops-") as make:
+        yield make

@@ -121,3 +121,23 @@ def test_making_room_spares_read_parents_and_extended_blocks() -> None:
     assert room_victim(p, CPU) is None  # its child sits in gpu: it stays on the node
     p.dropped(GPU, k(2))
     assert room_victim(p, CPU) == (k(1), Verdict.ASK_REDIS)
+
+
+def test_a_room_victim_is_checked_again_after_redis_answered() -> None:
+    """A worker asks Redis before dropping the node's last copy; meanwhile the coordinator may
+    adopt a child of the block (a granted put), a reader may pin it, or another evictor may drop
+    it. `still_clean` is what the worker checks before it drops."""
+    p = placement()
+    put(p, CPU, [3])
+    put(p, REDIS, [3])
+    assert room_victim(p, CPU) == (k(3), Verdict.ASK_REDIS) and p.still_clean(CPU, k(3))
+    e = p.reserve(CPU, k(4), k(3))  # a child on its way in: not visible yet, so no child yet
+    assert e is not None and p.still_clean(CPU, k(3))
+    p.commit(CPU, k(4))  # ... now visible under it: the tail goes first
+    assert not p.still_clean(CPU, k(3))
+    p.dropped(CPU, k(4))
+    assert p.still_clean(CPU, k(3))
+    assert p.tiers[CPU].pin(k(3)) and not p.still_clean(CPU, k(3)), "a reader's pin"
+    p.tiers[CPU].unpin(k(3))
+    p.dropped(CPU, k(3))  # another evictor took it meanwhile
+    assert not p.still_clean(CPU, k(3))

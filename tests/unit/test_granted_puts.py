@@ -136,3 +136,35 @@ def test_what_an_adoption_calls_for_is_published_by_a_later_flush_when_its_own_f
             "the write-through copies the adoption called for"
         assert [f.key for f in facts if isinstance(f, Stored)] == keys
         assert rt.counters.granted_puts == 3
+
+
+def test_two_top_ups_at_once_never_grant_a_client_past_its_cap() -> None:
+    """The coordinator tops a client up after each granted put, the cpu worker at each flush; a
+    top-up that waits in make_room (asking Redis) must not let the other grant the same room."""
+    with grant_pool("granted-topups") as (rt, staging, w, log):
+        book = GrantBook({"s": rt}, staging, 32, log)
+        book.renew(sorted(staging.present()))
+        cap = book.client_cap(rt)
+        full = [bytes([1, i % 256, i // 256]) * 10 + b"xx" for i in range(rt.placement.tiers[Tier.CPU].free)]
+        for key in full:  # every free slot held, so each top-up must make room, one slot at a time
+            assert rt.placement.reserve(Tier.CPU, key, None) is not None
+
+        async def make_room(_rt) -> bool:
+            await asyncio.sleep(0)  # waits, as on Redis: the other top-up runs meanwhile
+            if not full:
+                return False
+            rt.placement.unreserve(Tier.CPU, full.pop())
+            return True
+
+        async def both() -> list[int]:
+            book.want("s", w.seg.name)
+            first = asyncio.ensure_future(book.top_up(make_room))
+            await asyncio.sleep(0)  # the first is in make_room now
+            book.want("s", w.seg.name)  # wanted again meanwhile (a put's adoption, the sweep)
+            return list(await asyncio.gather(first, book.top_up(make_room)))
+
+        granted = asyncio.run(both())
+        assert sum(granted) == cap, (granted, cap)
+        taken = w.take_slots([bytes([9, i]) * 16 for i in range(2 * cap)], None)
+        assert sum(b.granted for b in taken) == cap, "the client's ring holds its cap, no more"
+        w.unstage(taken)

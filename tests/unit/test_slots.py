@@ -31,6 +31,7 @@ from kvtier.shm.directory import (
 from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slot_batch import holds, read_rows
 from kvtier.shm.slots import Flags, Kind, SlotTable, checksum, segment_bytes
+from tests.support.segments import segment_factory
 from tests.support.waiting import wait_until
 
 PREFIX = f"kvtier.test-{uuid.uuid4().hex[:8]}."
@@ -53,17 +54,8 @@ def nothing_left_in_dev_shm() -> Iterator[None]:
 @pytest.fixture
 def new_seg() -> Iterator[Callable[..., ShmSegment]]:
     """Factory: create a uniquely named segment; all are closed and unlinked afterwards."""
-    made: list[ShmSegment] = []
-
-    def make(size: int, suffix: str = "", **kw) -> ShmSegment:
-        seg = ShmSegment.create(f"{PREFIX}{uuid.uuid4().hex[:6]}{suffix}", size, **kw)
-        made.append(seg)
-        return seg
-
-    yield make
-    for seg in made:
-        seg.close()
-        seg.unlink()
+    with segment_factory(PREFIX) as make:
+        yield make
 
 
 def arena(new_seg, n: int = 4, bb: int = BB, kind: int = Kind.ARENA) -> SlotTable:
