@@ -9,7 +9,8 @@ round and per block:
 - the wall time, and the ratio to a memcpy of the same bytes measured in the same run;
 - the CPU of the client (this process) and of the daemon (schedstat, every thread);
 - the client's phases, timed by wrapping the methods that run them: taking the granted slots,
-  the copy threads' fill (awaited), publishing the put (awaited), the closing `wait_resident`;
+  the copy threads' fill (awaited), encoding the put (during the fill), publishing it (awaited),
+  the closing `wait_resident`;
 - the Redis commands a put of 64 blocks cost (INFO commandstats of the bench's own redis-server).
 
 The wrappers cost a few microseconds a put, not a block. `--redis-calls` also prints what one
@@ -51,9 +52,24 @@ class Phases:
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
 
-    def wrap(self, owner: Any, name: str, label: str) -> None:
+    def wrap(self, owner: Any, name: str, label: str, started: bool = False) -> None:
+        """Time owner.name under `label`; `started`: it returns a coroutine to await (a copy
+        started now), timed from the call until that coroutine has finished."""
         f = getattr(owner, name)
         spent = self.spent
+        if started:
+            def timed_started(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                inner = f(*a, **k)
+
+                async def waited() -> Any:
+                    try:
+                        return await inner
+                    finally:
+                        spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+                return waited()
+            setattr(owner, name, timed_started)
+            return
 
         if asyncio.iscoroutinefunction(f):
             async def timed_async(*a: Any, **k: Any) -> Any:
@@ -76,8 +92,9 @@ class Phases:
 async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
     phases = Phases()
     phases.wrap(staging.StagingWriter, "take_slots", "take slots")
-    phases.wrap(client_mod.Client, "_copy", "fill (copy threads)")
-    phases.wrap(publisher.Publisher, "publish", "publish")
+    phases.wrap(client_mod.Client, "_start_copy", "fill (copy threads)", started=True)
+    phases.wrap(publisher.Publisher, "prepare", "encode (during the fill)")
+    phases.wrap(publisher.Publisher, "publish_prepared", "publish")
     phases.wrap(client_mod.Client, "wait_resident", "wait_resident")
     stats = redis.Redis.from_url(env.url)
     pid = env.daemon.proc.pid

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -92,27 +92,37 @@ class CopyThreads(ThreadPoolExecutor):
         """The module's `map_shares` over these threads: fn over `threads` interleaved shares of
         `items`, results in the items' order, every share finished before this returns or raises
         (a cancelled caller's CancelledError included; the first failure is raised then)."""
+        return await self.start_shares(fn, items, threads)
+
+    def start_shares(self, fn: Callable[[S], list[R]], items: S, threads: int) -> Coroutine[Any, Any, list[R]]:
+        """`map_shares`, its shares handed to the threads now: the caller may work meanwhile, then
+        must await what this returns (it waits for every share, as `map_shares` does)."""
         k = max(1, min(threads, len(items), self.threads))
         shares = [cast(S, items[i::k]) for i in range(k)]
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[list[R]]] = [loop.create_future() for _ in shares]
         for share, fut in zip(shares, futs):
             self.submit(_run_share, fn, share, loop, fut)
-        cancelled = False
-        for fut in futs:
-            while not fut.done():
-                try:
-                    await asyncio.shield(fut)  # a cancelled caller must not leave a copy still writing
-                except asyncio.CancelledError:
-                    cancelled = True
-                except BaseException:
-                    break  # a share's failure: raised below, once every share has finished
-        if cancelled:
-            raise asyncio.CancelledError
-        out: list[Any] = [None] * len(items)
-        for i, fut in enumerate(futs):
-            out[i::k] = fut.result()
-        return out
+        return _shares_done(futs, len(items), k)
+
+
+async def _shares_done(futs: list[asyncio.Future[Any]], n: int, k: int) -> list[Any]:
+    """The results of `k` interleaved shares of `n` items, once every share has finished."""
+    cancelled = False
+    for fut in futs:
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)  # a cancelled caller must not leave a copy still writing
+            except asyncio.CancelledError:
+                cancelled = True
+            except BaseException:
+                break  # a share's failure: raised below, once every share has finished
+    if cancelled:
+        raise asyncio.CancelledError
+    out: list[Any] = [None] * n
+    for i, fut in enumerate(futs):
+        out[i::k] = fut.result()
+    return out
 
 
 def _run_share(fn: Callable[[Any], Any], share: Any, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:

@@ -77,7 +77,16 @@ class Publisher:
         return {FIELD: encode(Envelope(event=event, producer=self._producer, epoch=self._epoch, seq=self._seq))}
 
     async def publish(self, stream: str, event: Event) -> bytes:
-        entry_id = await self._redis.xadd(stream, self._fields(event), maxlen=self._maxlen, approximate=True)
+        return await self.publish_prepared(stream, self.prepare(event))
+
+    def prepare(self, event: Event) -> dict[FieldT, EncodableT]:
+        """`event` encoded now, under its seq, for `publish_prepared` (a put encodes its event
+        while its blocks are copied). A seq prepared and never published is a gap, as a failed
+        XADD's is."""
+        return self._fields(event)
+
+    async def publish_prepared(self, stream: str, fields: dict[FieldT, EncodableT]) -> bytes:
+        entry_id = await self._redis.xadd(stream, fields, maxlen=self._maxlen, approximate=True)
         self.stats.published += 1
         return cast(bytes, entry_id)  # replies stay bytes: decode_responses=False (bus/connect.py)
 

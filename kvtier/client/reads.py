@@ -8,8 +8,8 @@ which provides the pools, the copy threads, the read reports and the read-throug
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -124,11 +124,17 @@ class ClientReads:
                     threads: int | None = None) -> list[R]:
         """fn over items: inline when small, else in this client's copy threads, off the caller's
         event loop. A GPU destination uses one thread (its pinned bounce buffer is per pool)."""
+        return await self._start_copy(fn, items, nbytes, threads)
+
+    def _start_copy(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], nbytes: int,
+                    threads: int | None = None) -> Coroutine[Any, Any, list[R]]:
+        """`_copy`, started now (an inline copy is done when this returns): the caller may work
+        meanwhile, and must then await what this returns, which waits for every share."""
         if nbytes < self.off_loop_bytes or not items:
-            return fn(items)
+            return _ready(fn(items))
         if self._copier is None:
             self._copier = CopyThreads(self._copy_threads)
-        return await self._copier.map_shares(fn, items, threads or self._copy_threads)
+        return self._copier.start_shares(fn, items, threads or self._copy_threads)
 
 
 class Rows:
@@ -237,3 +243,8 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i))
     return runs
+
+
+async def _ready(value: R) -> R:
+    """An awaitable of what is already there (awaited, it does not yield to the loop)."""
+    return value

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,8 +52,8 @@ class ClientWrites:
     if TYPE_CHECKING:  # the other parts of Client (for the type checker only: see client/reads.py)
         def pool(self, name: str) -> ClientPool: ...
         def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup: ...
-        async def _copy(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any], nbytes: int,
-                        threads: int | None = None) -> list[Any]: ...
+        def _start_copy(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any], nbytes: int,
+                        threads: int | None = None) -> Coroutine[Any, Any, list[Any]]: ...
 
     async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
                   token_ids: Sequence[int] | None = None, wait_s: float = 0.0, tenant: str = "") -> PutResult:
@@ -144,22 +144,32 @@ class ClientWrites:
         staged = w.take_slots(bkeys, parent)
         if not staged:
             return 0
+        bt = 4 * p.layout.block_tokens
+        part = None if tokens is None else TokenIds(tokens[off * bt:(off + len(staged)) * bt])
+        epoch = w.grant_epoch if staged[0].granted else 0
+
+        def event(blocks: Sequence[StagedBlock]) -> Put:
+            return Put(p.name, w.seg.name, tuple(blocks), part, epoch, tenant)
+        # What the event names: each slot as its fill leaves it, its gen one past the odd gen taken.
+        expected = [StagedBlock(b.key, b.parent, b.slot, b.gen + 1, b.granted) for b in staged]
         try:
             write = writer(w, len(staged), off)
             nbytes = len(staged) * p.block_bytes
             with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
-                staged = await self._copy(write, list(enumerate(staged)), nbytes,
-                                          share_threads(self._copy_threads, len(staged), nbytes))
+                copying = self._start_copy(write, list(enumerate(staged)), nbytes,
+                                           share_threads(self._copy_threads, len(staged), nbytes))
+                try:  # the event encoded while the copy threads fill the slots: off the put's serial path
+                    fields = self._publisher.prepare(event(expected))
+                finally:
+                    staged = await copying  # every share, even on a failure or a cancel
         except BaseException:
             w.unstage(staged)
             raise
+        if staged != expected:  # (never, as the fills are written: the event names what they left)
+            fields = self._publisher.prepare(event(staged))
         w.staged(staged)
-        bt = 4 * p.layout.block_tokens
-        part = None if tokens is None else TokenIds(tokens[off * bt:(off + len(staged)) * bt])
         try:
-            epoch = w.grant_epoch if staged[0].granted else 0
-            await self._publisher.publish(self._client_stream, Put(p.name, w.seg.name, tuple(staged), part, epoch,
-                                                                       tenant))
+            await self._publisher.publish_prepared(self._client_stream, fields)
         except REDIS_ERRORS as e:
             w.unstage(staged)
             self.stats.event_errors += 1

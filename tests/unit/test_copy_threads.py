@@ -86,3 +86,20 @@ def test_it_is_an_executor_for_run_in_executor(pool: CopyThreads) -> None:
             await loop.run_in_executor(pool, divmod, 1, 0)
 
     asyncio.run(run())
+
+
+def test_start_shares_hands_the_shares_over_before_the_caller_awaits(pool: CopyThreads) -> None:
+    running, release = threading.Event(), threading.Event()
+
+    def copy(items):
+        running.set()
+        assert release.wait(5)
+        return items
+
+    async def run():
+        done = pool.start_shares(copy, [1, 2], 1)
+        assert await asyncio.to_thread(running.wait, 5), "the share started before it was awaited"
+        release.set()  # the caller's own work, meanwhile
+        assert await done == [1, 2]
+
+    asyncio.run(run())
