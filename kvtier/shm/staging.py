@@ -145,8 +145,9 @@ class StagingWriter:
     def fill_rows(self, share: Sequence[tuple[int, StagedBlock]], rows: npt.NDArray[np.uint8]) -> list[StagedBlock]:
         """fill_slot for (i, block) pairs of a put's taken slots, block i from rows[i] (rows: [*,
         block_bytes] uint8, rows contiguous), in share order: each table's copies in one
-        `copy_rows` call (compiled, all of them with the GIL released), then each block's header,
-        READY with its even gen, as fill_slot writes it. Each source is hashed, never a slot."""
+        `copy_rows` call (compiled, all of them with the GIL released), then its headers in one
+        pass (READY, each with its even gen, as fill_slot writes one). Each source is hashed,
+        never a slot."""
         done: dict[int, StagedBlock] = {}
         for granted in (True, False):
             part = [(i, b) for i, b in share if b.granted is granted]
