@@ -43,15 +43,31 @@ def default_copy_threads() -> int:
 
 
 async def _finish(futs: Sequence[asyncio.Future[Any]]) -> None:
-    try:
-        await asyncio.wait(futs)
-    except asyncio.CancelledError:
-        while not all(f.done() for f in futs):
+    """Every future done, a cancelled caller's included (its CancelledError comes after): a copy
+    still running writes into memory its caller is about to reuse. Failures are the caller's to
+    read from the futures."""
+    cancelled = False
+    for fut in futs:
+        while not fut.done():
             try:
-                await asyncio.wait(futs)
+                await asyncio.shield(fut)
             except asyncio.CancelledError:
-                continue
-        raise
+                cancelled = True
+            except BaseException:
+                break  # this one failed: done
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _gathered(futs: Sequence[asyncio.Future[Any]], n: int) -> list[Any]:
+    """The results of `len(futs)` interleaved shares of `n` items, in the items' order, once every
+    share has finished (the first failure raised then)."""
+    await _finish(futs)
+    k = len(futs)
+    out: list[Any] = [None] * n
+    for i, f in enumerate(futs):
+        out[i::k] = f.result()
+    return out
 
 
 async def run_off_loop(executor: Executor | None, fn: Callable[..., R], *args: Any) -> R:
@@ -69,20 +85,15 @@ async def map_shares(executor: Executor | None, fn: Callable[[S], list[R]], item
     # A slice of a list, tuple, range or array is of the same type; mypy only knows Sequence.
     shares = [cast(S, items[i::k]) for i in range(k)]
     loop = asyncio.get_running_loop()
-    futs = [loop.run_in_executor(executor, fn, share) for share in shares]
-    await _finish(futs)
-    out: list[Any] = [None] * len(items)
-    for i, f in enumerate(futs):
-        out[i::k] = f.result()
-    return out
+    return await _gathered([loop.run_in_executor(executor, fn, share) for share in shares], len(items))
 
 
 class CopyThreads(ThreadPoolExecutor):
     """A client's copy threads (the stdlib's pool: its threads end, joined, before the interpreter
     does). `map_shares` hands a share to a thread with one `submit`, and its result back with one
-    `call_soon_threadsafe`: 49 us of CPU a hop here, where the module's `map_shares` (futures
-    chained to the loop's by `run_in_executor`, then `asyncio.wait`) took 61, about 0.2 us a block
-    on a put of 64 small blocks (docs/performance.md, the thirteenth stop)."""
+    `call_soon_threadsafe`: 49 us of CPU a hop here, where the module's `map_shares` (its futures
+    chained to the loop's by `run_in_executor`, waited for then with `asyncio.wait`) took 61, about
+    0.2 us a block on a put of 64 small blocks (docs/performance.md, the thirteenth stop)."""
 
     def __init__(self, threads: int) -> None:
         super().__init__(max(1, threads), thread_name_prefix="kvtier-copy")
@@ -103,26 +114,7 @@ class CopyThreads(ThreadPoolExecutor):
         futs: list[asyncio.Future[list[R]]] = [loop.create_future() for _ in shares]
         for share, fut in zip(shares, futs):
             self.submit(_run_share, fn, share, loop, fut)
-        return _shares_done(futs, len(items), k)
-
-
-async def _shares_done(futs: list[asyncio.Future[Any]], n: int, k: int) -> list[Any]:
-    """The results of `k` interleaved shares of `n` items, once every share has finished."""
-    cancelled = False
-    for fut in futs:
-        while not fut.done():
-            try:
-                await asyncio.shield(fut)  # a cancelled caller must not leave a copy still writing
-            except asyncio.CancelledError:
-                cancelled = True
-            except BaseException:
-                break  # a share's failure: raised below, once every share has finished
-    if cancelled:
-        raise asyncio.CancelledError
-    out: list[Any] = [None] * n
-    for i, fut in enumerate(futs):
-        out[i::k] = fut.result()
-    return out
+        return _gathered(futs, len(items))
 
 
 def _run_share(fn: Callable[[Any], Any], share: Any, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:

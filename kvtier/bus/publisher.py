@@ -72,10 +72,6 @@ class Publisher:
         self._seq += 1
         return self._epoch, self._seq
 
-    def _fields(self, event: Event) -> dict[FieldT, EncodableT]:
-        self._seq += 1
-        return {FIELD: encode(Envelope(event=event, producer=self._producer, epoch=self._epoch, seq=self._seq))}
-
     async def publish(self, stream: str, event: Event) -> bytes:
         return await self.publish_prepared(stream, self.prepare(event))
 
@@ -83,7 +79,8 @@ class Publisher:
         """`event` encoded now, under its seq, for `publish_prepared` (a put encodes its event
         while its blocks are copied). A seq prepared and never published is a gap, as a failed
         XADD's is."""
-        return self._fields(event)
+        self._seq += 1
+        return {FIELD: encode(Envelope(event=event, producer=self._producer, epoch=self._epoch, seq=self._seq))}
 
     async def publish_prepared(self, stream: str, fields: dict[FieldT, EncodableT]) -> bytes:
         entry_id = await self._redis.xadd(stream, fields, maxlen=self._maxlen, approximate=True)

@@ -40,12 +40,7 @@ class CommandFence:
 
     def record(self, pool: str, key: BlockKey, stamp: Stamp) -> None:
         """A command for this block was applied (call only after its handler succeeded)."""
-        k = (pool, key)
-        last = self._last.get(k)
-        self._last[k] = stamp if last is None or stamp > last else last
-        self._last.move_to_end(k)
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
+        self.record_many(pool, (key,), stamp)
 
     def record_many(self, pool: str, keys: Iterable[BlockKey], stamp: Stamp) -> None:
         """`record` for a batch of blocks applied under one stamp."""

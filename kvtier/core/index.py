@@ -173,12 +173,8 @@ class TierIndex:
     def commit(self, key: BlockKey) -> Entry | None:
         """PENDING -> READY: visible, most recently used, counted as its parent's child."""
         e = self._entries.get(key)
-        if e is None or e.state is State.READY:
-            return e
-        e.state = State.READY
-        self._lru[key] = None
-        if e.parent is not None:
-            self._kids[e.parent] = self._kids.get(e.parent, 0) + 1
+        if e is not None:
+            self.commit_many((e,))
         return e
 
     def commit_many(self, entries: Iterable[Entry]) -> None:

@@ -83,15 +83,12 @@ class TenantUsage:
         self._owner.pop(key, None)
 
     def added(self, t: Tier, key: BlockKey) -> None:
-        counts = self.blocks.get(t)
-        if counts is None:  # (not setdefault: it would build a Counter on every block stored)
-            counts = self.blocks[t] = Counter()
-        counts[self._owner.get(key, "")] += 1
+        self.added_many(t, (key,))
 
     def added_many(self, t: Tier, keys: Iterable[BlockKey]) -> None:
         """`added` for a batch of keys (Counter.update counts them in C)."""
         counts = self.blocks.get(t)
-        if counts is None:
+        if counts is None:  # (not setdefault: it would build a Counter on every call)
             counts = self.blocks[t] = Counter()
         owner = self._owner.get
         counts.update([owner(k, "") for k in keys])

@@ -45,9 +45,7 @@ def flip_valid(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], checked:
     those slots' headers as the caller checked them): every gen odd (readers of these slots miss
     from here), the checked header written back with flags VALID, every gen even. One numpy store
     per step, and x86 keeps stores in order, as end_write relies on per slot."""
-    cur = headers["gen"][slots]
-    odd = np.where(cur % 2 == 0, cur + 1, cur + 2)  # as begin_write: past a writer that died mid-write
-    headers["gen"][slots] = odd
+    odd = begin_writes(headers, slots)
     body = checked.copy()
     body["flags"], body["gen"] = Flags.VALID, odd
     headers[slots] = body

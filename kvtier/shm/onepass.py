@@ -64,9 +64,14 @@ def key_tags(keys: bytes, csums: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     if (compiled := getattr(_copy_hash, "key_tags", None)) is not None:  # (a build from before it: Python)
         compiled(keys, sums, tags)
         return tags
-    for j, c in enumerate(sums.tolist()):  # as slots.key_tag does it
-        tags[j] = xxhash.xxh3_64_intdigest(keys[32 * j:32 * j + 32] + c.to_bytes(8, "little"))
+    for j, c in enumerate(sums.tolist()):
+        tags[j] = key_tag(keys[32 * j:32 * j + 32], c)
     return tags
+
+
+def key_tag(key: bytes, csum: int) -> int:
+    """A slot header's tag: binds `key` to the payload checksum `csum` (kvtier/shm/slots.py)."""
+    return xxhash.xxh3_64_intdigest(key + csum.to_bytes(8, "little"))
 
 
 class ChecksumStream(Protocol):

@@ -34,6 +34,7 @@ import xxhash
 from kvtier.errors import SegmentError
 from kvtier.shm.onepass import checksum as checksum  # re-exported: every reader verifies with it
 from kvtier.shm.onepass import copy_hashed
+from kvtier.shm.onepass import key_tag as key_tag  # re-exported: the header's tag (see the module's docstring)
 from kvtier.shm.segment import ShmSegment
 
 if TYPE_CHECKING:
@@ -98,11 +99,6 @@ class SlotHeader(NamedTuple):
         """A client's block (key, gen) written whole and READY (staged, or in a granted slot)."""
         return (self.magic == SLOT_MAGIC and self.flags == Flags.READY and self.gen == gen and gen % 2 == 0
                 and self.key == key and self.length == block_bytes)
-
-
-def key_tag(key: bytes, csum: int) -> int:
-    """The header's tag: binds `key` to the payload checksum `csum` (see the module's docstring)."""
-    return xxhash.xxh3_64_intdigest(key + csum.to_bytes(8, "little"))
 
 
 def checksum_parts(parts: Iterable[HashInput]) -> int:

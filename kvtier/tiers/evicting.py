@@ -75,6 +75,14 @@ class Evictions:
                 return self.facts.settle(rt, evicted(rt.name, victim, self.tier, Reason.MAKE_ROOM))
         return None
 
+    async def room_for_grant(self, rt: PoolRuntime) -> bool:
+        """Free one cpu slot for a grant by dropping a clean block (`make_room`), its fact queued
+        like any eviction's: whether one was freed."""
+        dropped = await self.make_room(rt, rt.cpu)
+        if dropped is not None:
+            self.facts.add(dropped)
+        return dropped is not None
+
     async def _redis_has(self, rt: PoolRuntime, key: BlockKey) -> bool:
         """Confirm a block is really in Redis before dropping the last local copy: Redis may have
         expired or evicted it since we wrote it (`asked_redis`: forgotten then; an error means no)."""

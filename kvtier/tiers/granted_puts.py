@@ -66,11 +66,5 @@ class GrantedPuts:
     async def top_up(self) -> list[InProcessFact]:
         """Refill the rings of the clients whose grants were used, freeing clean blocks where no
         slot is free; the evictions' facts, for the coordinator to apply."""
-        await self.grants.top_up(self._make_room)
+        await self.grants.top_up(self.evictions.room_for_grant)
         return self.facts.take()
-
-    async def _make_room(self, rt: PoolRuntime) -> bool:
-        dropped = await self.evictions.make_room(rt, rt.cpu)
-        if dropped is not None:
-            self.facts.add(dropped)
-        return dropped is not None

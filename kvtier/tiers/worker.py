@@ -161,7 +161,7 @@ class TierWorker:
                 await self._drain()  # per-block order holds within a batch too
             self.facts.report_adopted(rt, batch, todo, self.grants.adopt_blocks(rt, batch, todo), t0)
             self._fences.extend((rt.name, b.key, stamp) for b in todo)
-            await self.grants.top_up(self._make_room)
+            await self.grants.top_up(self.evictions.room_for_grant)
         return [batch.store(b) for b in batch.blocks if not b.granted]
 
     async def _command(self, rt: PoolRuntime, ev: Command, stamp: tuple[int, int]) -> None:
@@ -188,7 +188,7 @@ class TierWorker:
         try:
             await self._drain()
             if self.grants is not None:
-                await self.grants.top_up(self._make_room)
+                await self.grants.top_up(self.evictions.room_for_grant)
         except BaseException:
             self.applied.discard()
             self._fences.clear()
@@ -221,13 +221,6 @@ class TierWorker:
             self.facts.report(w.rt, self.facts.settle(w.rt, sent(w.ev, err), w.ev, _error(err)), w.t0)
         for r, value in got:
             self.facts.report(r.rt, await self._promoted(r.rt, r.ev, value, r.t0), r.t0)
-
-    async def _make_room(self, rt: PoolRuntime) -> bool:
-        """Free one cpu slot for a grant by dropping a clean block (reported like any eviction)."""
-        dropped = await self.evictions.make_room(rt, rt.cpu)
-        if dropped is not None:
-            self.facts.add(dropped)
-        return dropped is not None
 
     def _retire_failed_disk(self, rt: PoolRuntime) -> None:
         """The pool's disk tier met an I/O error (in this worker or another): turn it off, with
