@@ -1,6 +1,7 @@
 """Where a sustained put's time goes: the client's phases, both processes' CPU, Redis commands.
 
     .venv/bin/python benchmarks/put_phases.py [--kib 64] [--mib 256] [--rounds 4] [--redis-calls] [--quick]
+                                              [--loop uvloop|asyncio]
 
 Starts a daemon of `kvtier bench`'s kind (kvtier/tools/bench_env.py) and puts `--mib` of blocks of
 `--kib` KiB, `--rounds` times, in chains of 64 as the bench does, each round until every block is
@@ -16,7 +17,8 @@ round and per block:
 The wrappers cost a few microseconds a put, not a block. `--redis-calls` also prints what one
 Redis command costs this process in CPU: through redis-py's client, through a redis-py
 `Connection` directly, and on a bare asyncio stream (docs/performance.md, the tenth stop).
-Every round's blocks are checked visible before the next round starts. `--quick` sizes the
+The client runs on uvloop, as SyncClient and `kvtier bench` run it; `--loop asyncio` puts it on
+Python's own loop. Every round's blocks are checked visible before the next round starts. `--quick` sizes the
 arena for the working set alone, as `kvtier bench --quick` does (seconds; the smoke test).
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import redis
+import uvloop
 
 import kvtier.bus.publisher as publisher
 import kvtier.client.client as client_mod
@@ -137,7 +140,6 @@ async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
 
 def redis_calls(workdir: Path, calls: int = 3000) -> None:
     """CPU of one Redis command in this process, three ways, on uvloop."""
-    import uvloop
     from redis.asyncio import Redis
     from redis.asyncio.connection import Connection
 
@@ -184,6 +186,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--redis-calls", action="store_true", help="also the CPU of one Redis command, three ways")
     ap.add_argument("--quick", action="store_true", help="an arena for the working set alone (a smoke run)")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the client's event loop: uvloop (SyncClient's, and the bench's) or Python's own")
     a = ap.parse_args()
     if a.kib < 64 or a.kib % 64 or a.kib > 2048:
         ap.error("--kib must be a multiple of 64 up to 2048 (a layer of Llama-3-8B's 16-token block is 64 KiB)")
@@ -196,7 +200,8 @@ def main() -> None:
         (workdir / "env").mkdir()
         env = Env(dict(LLAMA, layers=a.kib // 64), arena_blocks(n * (a.rounds + 1), a.quick, bb), workdir / "env")
         try:
-            asyncio.run(rounds(env, n, a.rounds, bound))
+            run = uvloop.run if a.loop == "uvloop" else asyncio.run
+            run(rounds(env, n, a.rounds, bound))
         finally:
             env.close()
         if a.redis_calls:

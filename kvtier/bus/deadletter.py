@@ -92,8 +92,12 @@ class Settler:
         todo = {stream: ids for stream, ids in acks.items() if ids}
         if not todo:
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for stream, ids in todo.items():
-                pipe.xack(stream, self._group, *ids)
-            await pipe.execute()
+        if len(todo) == 1:  # most batches: one command costs less than a pipeline of one (about 30 us)
+            ((stream, ids),) = todo.items()
+            await self._redis.xack(stream, self._group, *ids)
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for stream, ids in todo.items():
+                    pipe.xack(stream, self._group, *ids)
+                await pipe.execute()
         self._stats.acked += sum(map(len, todo.values()))

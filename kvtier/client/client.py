@@ -171,10 +171,11 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         tiers: list[Tier] = []
         at, size = 0, 1  # chunks of 1, 4, 16...: a chain that misses early costs a probe or two
         while at < len(keys):
-            for tier in p.located(check_keys(keys[at:at + size])):
-                if tier is None:
-                    return Lookup(len(tiers), tuple(tiers))
-                tiers.append(tier)
+            chunk = check_keys(keys[at:at + size])
+            run = p.leading(chunk)
+            tiers += run
+            if len(run) < len(chunk):
+                break
             at, size = at + size, size * 4
         return Lookup(len(tiers), tuple(tiers))
 

@@ -130,11 +130,31 @@ class ClientPool:
         lists in the cpu arena alone are probed and checked together (slot_batch.holds); the
         rest one by one, as the caller comes to them: a prefix lookup stops at its first miss.
         A hint, as `locate`'s: a read verifies again."""
-        cpu = self.tables.get(Tier.CPU)
-        held = (holds(cpu, self.directory.cpu_slots(keys), keys).tolist()
-                if isinstance(cpu, SlotTable) and len(keys) >= BATCH_MIN else [False] * len(keys))
-        for k, h in zip(keys, held):
+        for k, h in zip(keys, self._held_in_cpu(keys)):
             yield Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0]
+
+    def leading(self, keys: Sequence[bytes]) -> list[Tier]:
+        """The tiers of the leading run of `keys` resident on this node (`located` up to its
+        first None), the run the batch found in the cpu arena taken at once."""
+        held = self._held_in_cpu(keys)
+        n = held.index(False) if False in held else len(held)
+        tiers = [Tier.CPU] * n
+        for k, h in zip(keys[n:], held[n:]):
+            if h:
+                tiers.append(Tier.CPU)
+            elif (hit := self.locate(k)) is not None:
+                tiers.append(hit[0])
+            else:
+                break
+        return tiers
+
+    def _held_in_cpu(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the directory lists it in the cpu arena alone and its slot holds it
+        (probed and checked together: slot_batch.holds); False for the rest, left to `locate`."""
+        cpu = self.tables.get(Tier.CPU)
+        if isinstance(cpu, SlotTable) and len(keys) >= BATCH_MIN:
+            return holds(cpu, self.directory.cpu_slots(keys), keys).tolist()  # type: ignore[no-any-return]
+        return [False] * len(keys)
 
     def in_redis_hint(self, key: bytes) -> bool:
         row = self.directory.find(key)

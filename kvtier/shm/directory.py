@@ -84,8 +84,10 @@ class DirectoryReader:
         NO_SLOT (absent, elsewhere, or found only past `probes` buckets: the caller asks `find`).
         The keys' buckets are probed together, a bucket at a time: per-key work a batch of
         reads skips. A hint, like `find`: the slot's header is what a read verifies."""
-        want = np.frombuffer(b"".join(keys), dtype="V32")
-        at = np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8").astype(np.int64) & self._mask
+        joined = b"".join(keys)
+        want = np.frombuffer(joined, dtype="V32")
+        # each key's home: its first 8 bytes, little-endian (_home), read from the one join
+        at = np.frombuffer(joined, dtype="<u8").reshape(-1, 4)[:, 0].astype(np.int64) & self._mask
         table = np.frombuffer(self.seg.buf, dtype=_ENTRY_DTYPE, count=self.capacity, offset=ENTRY_OFF)
         out = np.full(len(keys), NO_SLOT, dtype=np.int64)
         todo = np.arange(len(keys))

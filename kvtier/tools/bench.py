@@ -22,7 +22,6 @@ connection counts (kvtier/tools/bench_redis.py); Redis is reached over TCP on lo
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sys
 import tempfile
@@ -82,7 +81,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
     (workdir / f"small{kib}").mkdir()
     env = Env(layout, arena_blocks(n * repeat, quick, bb), workdir / f"small{kib}")
     try:
-        row = asyncio.run(small_block_rows(env, n, repeat))
+        row = uvloop.run(small_block_rows(env, n, repeat))  # the SyncClient's loop: see daemon_rows' note
     finally:
         env.close()
     row["memcpy_gbps"], row["memcpy_block_gbps"] = memcpy_gbps_by_block(n * bb, repeat, bb)
@@ -101,7 +100,7 @@ def run_arena_bench(args) -> int:
         env = Env(layout, arena_blocks(n * repeat, args.quick, bb), Path(tmp))
         try:
             say(f"get and put over {n} blocks, arena on /dev/shm's pages")
-            asyncio.run(daemon_rows(env, n, repeat, out))
+            uvloop.run(daemon_rows(env, n, repeat, out))
             run_arena(args, env.url, Path(tmp), out)
         finally:
             env.close()
@@ -112,7 +111,7 @@ def run_arena_bench(args) -> int:
             try:
                 say(f"get and put over {n} blocks, arena on 2 MiB pages ({args.arena_huge_dir})")
                 huge: dict = {}
-                asyncio.run(daemon_rows(env, n, repeat, huge))
+                uvloop.run(daemon_rows(env, n, repeat, huge))
                 out["get_huge"], out["put_huge"] = huge["get"], huge["put"]
             finally:
                 env.close()
@@ -142,7 +141,10 @@ def run_bench(args) -> int:
         env = Env(layout, arena_blocks(n * repeat, quick, bb), Path(tmp))
         try:
             say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
-            asyncio.run(daemon_rows(env, n, repeat, out))
+            # The client on uvloop: the loop SyncClient, which every engine integration uses, runs
+            # it on. On Python's own loop a put of 64 KiB blocks costs the client about 10 % more
+            # CPU (docs/performance.md, the fourteenth stop).
+            uvloop.run(daemon_rows(env, n, repeat, out))
             for kib in SMALL_BLOCKS_KIB:
                 small_rows(kib, quick, repeat, Path(tmp), out)
             say("redis tier against raw redis-py pipelines")
