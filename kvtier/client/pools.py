@@ -128,8 +128,7 @@ class ClientPool:
     def located(self, keys: Sequence[bytes]) -> Iterator[Tier | None]:
         """`locate`'s tier for each key, in order (None: not on this node). Blocks the directory
         lists in the cpu arena alone are probed and checked together (slot_batch.holds); the
-        rest one by one, as the caller comes to them: a prefix lookup stops at its first miss.
-        A hint, as `locate`'s: a read verifies again."""
+        rest one by one, as the caller comes to them. A hint, as `locate`'s: a read verifies again."""
         for k, h in zip(keys, self._held_in_cpu(keys)):
             yield Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0]
 

@@ -81,7 +81,7 @@ def small_rows(kib: int, quick: bool, repeat: int, workdir: Path, out: dict) -> 
     (workdir / f"small{kib}").mkdir()
     env = Env(layout, arena_blocks(n * repeat, quick, bb), workdir / f"small{kib}")
     try:
-        row = uvloop.run(small_block_rows(env, n, repeat))  # the SyncClient's loop: see daemon_rows' note
+        row = uvloop.run(small_block_rows(env, n, repeat))  # the SyncClient's loop: see run_bench
     finally:
         env.close()
     row["memcpy_gbps"], row["memcpy_block_gbps"] = memcpy_gbps_by_block(n * bb, repeat, bb)
@@ -142,8 +142,8 @@ def run_bench(args) -> int:
         try:
             say(f"daemon up; put, get, lookup and bus over {n} blocks of {bb / (1 << 20):.2f} MiB")
             # The client on uvloop: the loop SyncClient, which every engine integration uses, runs
-            # it on. On Python's own loop a put of 64 KiB blocks costs the client about 10 % more
-            # CPU (docs/performance.md, the fourteenth stop).
+            # it on. On Python's own loop a put of 64 KiB blocks ran about 10 % slower here, its
+            # Redis round trip the most (docs/performance.md, the fourteenth stop).
             uvloop.run(daemon_rows(env, n, repeat, out))
             for kib in SMALL_BLOCKS_KIB:
                 small_rows(kib, quick, repeat, Path(tmp), out)

@@ -35,6 +35,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import uvloop
 
 GB = 1e9
 TARGET = 0.7
@@ -97,7 +98,7 @@ class _Bound:
 
         from kvtier.client import Client
 
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()  # the tier's loop (SyncClient's): the same loop on both sides
         self._thread = threading.Thread(target=self._loop.run_forever, name="bench-bound", daemon=True)
         self._thread.start()
         self.pool, self.n, self.rows = pool, n, rows
