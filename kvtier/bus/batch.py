@@ -69,12 +69,16 @@ class BatchHandler:
         self._failpoints = failpoints
         self._summary = _Summary(time.monotonic())
         self.outages = OutageLedger()
+        # Acks held back to go out with the consumer's next read (`ack_then_read`): one round
+        # trip a batch, not two. Sent on their own before anything else (`settle_held`).
+        self._held: dict[str, list[bytes]] = {}
 
-    async def handle(self, batches: Batch, *, counted: bool) -> None:
+    async def handle(self, batches: Batch, *, counted: bool, hold_acks: bool = False) -> None:
         """Run the handler over a batch, then dead-letter and ack in as few round trips as possible.
 
         `counted`: entries were delivered before (history, claim), so look up their delivery
-        counts; a fresh '>' read is delivery number 1.
+        counts; a fresh '>' read is delivery number 1. `hold_acks`: a batch with no dead letter
+        keeps its acks (its effects done) for the caller's next read, `ack_then_read`.
         """
         t0 = time.monotonic()
         acks: dict[str, list[bytes]] = {}
@@ -118,13 +122,18 @@ class BatchHandler:
             self._failpoints.reached("after_xadd")
         if is_outage(failed):
             lost.update(self._ids(batches))
-        try:
-            await self._settler.flush(acks, dead)
-        except REDIS_ERRORS as e:
-            if is_outage(e):  # nothing was settled
-                self.outages.record(lost | self._ids(batches), {}, [])
-            raise
-        self.outages.record(lost, acks, dead)  # once per delivery; acked and dead-lettered ones are settled
+        held = hold_acks and not dead  # dead letters go first, then their acks: not held
+        if held:
+            self._hold(acks)
+        else:
+            try:
+                await self._settler.flush(acks, dead)
+            except REDIS_ERRORS as e:
+                if is_outage(e):  # nothing was settled
+                    self.outages.record(lost | self._ids(batches), {}, [])
+                raise
+        # Once per delivery; acked and dead-lettered ones are settled (held ones when their ack lands).
+        self.outages.record(lost, {} if held else acks, dead)
         if failed is not None:
             # Redis refused the batch's outcomes (down, OOM, read-only): let run() back off
             # before reading more, rather than fail every new batch the same way at once.
@@ -136,6 +145,69 @@ class BatchHandler:
                         reclaimed=counted, ms=ms)
         if (line := self._summary.add(handled, dead_count, counted, ms, time.monotonic())) is not None:
             self._log.info("bus.summary", **line)
+
+    async def ack_then_read(self, read: Callable[[Any], Any]) -> Any:
+        """The held acks and then `read` (it queues one command on the pipeline it is given) in
+        one round trip; the read's reply. Redis runs the XACKs first, as if sent on their own.
+        Acks that may not have landed (the connection failed, the call was cancelled) are held
+        again, an XACK being idempotent; one Redis refused is left pending, for a claim."""
+        acks, self._held = self._held, {}
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for stream, ids in acks.items():
+                    pipe.xack(stream, self._group, *ids)
+                read(pipe)
+                replies = await pipe.execute(raise_on_error=False)
+        except BaseException as e:
+            self._settled_failing(acks, e)
+            raise
+        landed = {}
+        for (stream, ids), reply in zip(acks.items(), replies):
+            if isinstance(reply, Exception):
+                self._settled_failing({stream: ids}, reply)
+            else:
+                landed[stream] = ids
+        self._settled(landed)
+        if isinstance(replies[-1], Exception):
+            raise replies[-1]
+        return replies[-1]
+
+    async def settle_held(self) -> None:
+        """Send the held acks on their own: before a claim, and when the consumer stops."""
+        if not self._held:
+            return
+        acks, self._held = self._held, {}
+        try:
+            await self._settler.flush(acks, [])
+        except BaseException as e:
+            self._settled_failing(acks, e)
+            raise
+        self.outages.record(set(), acks, [])
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def _hold(self, acks: dict[str, list[bytes]]) -> None:
+        for stream, ids in acks.items():
+            if ids:
+                self._held.setdefault(stream, []).extend(ids)
+
+    def _settled(self, acks: dict[str, list[bytes]]) -> None:
+        self.stats.acked += sum(map(len, acks.values()))
+        self.outages.record(set(), acks, [])
+
+    def _settled_failing(self, acks: dict[str, list[bytes]], e: BaseException) -> None:
+        """Acks that failed: held again where they may not have landed (an outage, a cancel;
+        those deliveries then come back through no fault of theirs). One Redis refused is
+        logged and its entries left pending, as a failed XACK always left them."""
+        if is_outage(e) or isinstance(e, asyncio.CancelledError):
+            self._hold(acks)
+            if is_outage(e):
+                self.outages.record({(s, i) for s, ids in acks.items() for i in ids}, {}, [])
+        else:
+            self.stats.redis_errors += 1
+            self._log.error("bus.ack_refused", error=str(e), entries=sum(map(len, acks.values())))
 
     async def _handle_one(
         self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,

@@ -16,6 +16,7 @@ Handlers must be idempotent: delivery is at least once, never exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
@@ -23,8 +24,8 @@ from typing import Any, cast
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ResponseError
 
+from kvtier.bus.batch import CANCEL_FLUSH_TIMEOUT_S, Batch, BatchHandler
 from kvtier.bus.batch import SUMMARY_S as SUMMARY_S  # re-exported: tests/unit/test_operator_text.py
-from kvtier.bus.batch import Batch, BatchHandler
 from kvtier.bus.batch import Delivery as Delivery  # what handlers take: imported from here
 from kvtier.bus.batch import _Summary as _Summary
 from kvtier.bus.cancel import raise_if_cancelling
@@ -138,6 +139,7 @@ class Consumer:
                         if await self._drained():
                             break
                     elif time.monotonic() >= next_claim:
+                        await self._batches.settle_held()  # first: a claim must not find them pending
                         await self._autoclaim()
                         next_claim = time.monotonic() + self._claim_idle_ms / 1000
                     else:
@@ -167,6 +169,9 @@ class Consumer:
                 await asyncio.sleep(backoff.compute(failures))
         finally:
             self._running = False
+            if self._batches.holding:  # what the last batch did is done: ack it (shielded, bounded)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.wait_for(self._batches.settle_held(), CANCEL_FLUSH_TIMEOUT_S))
             self._log.info("bus.consumer_stopped", **self.stats.as_dict())
 
     # --- the three ways entries arrive ------------------------------------------------------
@@ -225,17 +230,24 @@ class Consumer:
 
     async def _read_new(self, block: bool = True) -> bool:
         """Read and handle new entries; whether there were any."""
-        reply = cast(list[tuple[bytes, list[Entry]]], await self._redis.xreadgroup(
-            self._group, self._consumer, {s: ">" for s in self._streams}, count=self._read_count,
-            block=self._block_ms if block else None,
-        ))  # fmt: skip
+        block_ms = self._block_ms if block else None
+
+        def read(r: Any) -> Any:  # on the client (awaited) or on a pipeline (queued)
+            return r.xreadgroup(self._group, self._consumer, {s: ">" for s in self._streams},
+                                count=self._read_count, block=block_ms)
+
+        if self._batches.holding:  # the last batch's acks, then this read: one round trip
+            got = await self._batches.ack_then_read(read)
+        else:
+            got = await read(self._redis)
+        reply = cast(list[tuple[bytes, list[Entry]]], got)
         if not reply:
             return False
         batches = [(self._by_key.get(key, key.decode()), entries) for key, entries in reply]
         for stream, entries in batches:
             if entries and (last := entries[-1][0]) is not None:
                 self._read_to[stream] = entry_id(last)
-        await self._batches.handle(batches, counted=False)
+        await self._batches.handle(batches, counted=False, hold_acks=True)
         return True
 
     async def _drained(self) -> bool:

@@ -1,0 +1,103 @@
+"""A fresh read's batch is acked with the consumer's next read, in one round trip (bus/batch.py,
+`ack_then_read`), against a real, private redis-server: the acks still go only after the batch's
+effects, and what may not have landed is held again, never dropped."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.exceptions import ResponseError
+
+from kvtier.bus.connect import make_redis
+from kvtier.bus.failures import REDIS_ERRORS, is_outage
+from kvtier.bus.publisher import Publisher
+from tests.integration.test_bus import STREAM, Recorder, access, make_consumer, pending
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator:
+    client = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=2)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_a_batch_is_acked_by_the_next_read(aredis) -> None:
+    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
+    rec = Recorder()
+    consumer = make_consumer(aredis, rec)
+    await consumer._ensure_groups()
+    await pub.publish(STREAM, access("p0"))
+    assert await consumer._read_new(block=False)
+    # handled, its effects done, its ack held for the next read: still pending in Redis
+    assert [d.envelope.event.pool for d in rec.seen] == ["p0"]
+    assert await pending(aredis) == 1 and consumer.stats.acked == 0
+    await pub.publish(STREAM, access("p1"))
+    xacks = await _calls(aredis, "xack")
+    assert await consumer._read_new(block=False)  # p0's XACK rode with this read
+    assert await _calls(aredis, "xack") == xacks + 1
+    assert rec.pools() == ["p0", "p1"] and await pending(aredis) == 1 and consumer.stats.acked == 1
+    assert not await consumer._read_new(block=False)  # nothing new: p1's ack went with the empty read
+    assert await pending(aredis) == 0 and consumer.stats.acked == 2
+
+
+async def test_a_stop_acks_what_is_held(aredis) -> None:
+    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
+    rec = Recorder()
+    consumer = make_consumer(aredis, rec)
+    await consumer._ensure_groups()
+    await pub.publish(STREAM, access("p0"))
+    assert await consumer._read_new(block=False)
+    assert await pending(aredis) == 1
+    consumer.stop()
+    await consumer.run()  # stopped before it reads again: the held ack goes out on its own
+    assert await pending(aredis) == 0 and consumer.stats.acked == 1
+
+
+async def test_a_refused_read_still_lands_the_acks(aredis) -> None:
+    """Redis runs the XACKs before the read it refuses (no such group): they landed, so they are
+    not held again, and the read's error is the caller's."""
+    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
+    consumer = make_consumer(aredis, Recorder())
+    await consumer._ensure_groups()
+    await pub.publish(STREAM, access("p0"))
+    assert await consumer._read_new(block=False)
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await consumer._batches.ack_then_read(lambda pipe: pipe.xreadgroup("no-such-group", "c", {STREAM: ">"}))
+    assert await pending(aredis) == 0 and consumer.stats.acked == 1 and not consumer._batches.holding
+
+
+async def test_acks_an_outage_cut_off_are_held_and_sent_later(redis_url) -> None:
+    """Redis stops answering while the held acks go out with a read (its clients paused past the
+    consumer's socket timeout): they are held again, since they may not have landed, and the
+    outage ledger keeps that delivery from counting against the entry. They land with the next
+    read once Redis answers."""
+    client = make_redis(redis_url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
+    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    try:
+        pub = Publisher(client, "client-1", epoch=1, maxlen=1000)
+        consumer = make_consumer(client, Recorder(), block_ms=100)
+        await consumer._ensure_groups()
+        entry = await pub.publish(STREAM, access("p0"))
+        assert await consumer._read_new(block=False)
+        await other.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        with pytest.raises(REDIS_ERRORS) as err:
+            await consumer._read_new(block=False)
+        assert is_outage(err.value), err.value
+        assert consumer._batches.holding and consumer.stats.acked == 0
+        assert consumer._batches.outages.counted(STREAM, entry, 2) == 1  # that delivery is not held against it
+        await other.execute_command("CLIENT", "UNPAUSE")
+        assert not await consumer._read_new(block=False)
+        assert await pending(client) == 0 and consumer.stats.acked == 1 and not consumer._batches.holding
+    finally:
+        await client.aclose()
+        await other.aclose()
+
+
+async def _calls(r, command: str) -> int:
+    stats = await r.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
