@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from redis.exceptions import ResponseError
+
 from kvtier.bus.connect import AsyncRedis
 from kvtier.bus.deadletter import DeadLetter, Entry, Rejected, Settler, triage
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
@@ -72,6 +74,7 @@ class BatchHandler:
         # Acks held back to go out with the consumer's next read (`ack_then_read`): one round
         # trip a batch, not two. Sent on their own before anything else (`settle_held`).
         self._held: dict[str, list[bytes]] = {}
+        self._credited: set[tuple[str, bytes]] = set()  # held ones the outage ledger has credited
 
     async def handle(self, batches: Batch, *, counted: bool, hold_acks: bool = False) -> None:
         """Run the handler over a batch, then dead-letter and ack in as few round trips as possible.
@@ -149,8 +152,10 @@ class BatchHandler:
     async def ack_then_read(self, read: Callable[[Any], Any]) -> Any:
         """The held acks and then `read` (it queues one command on the pipeline it is given) in
         one round trip; the read's reply. Redis runs the XACKs first, as if sent on their own.
-        Acks that may not have landed (the connection failed, the call was cancelled) are held
-        again, an XACK being idempotent; one Redis refused is left pending, for a claim."""
+        Acks that may not have landed are held again (an XACK is idempotent); one Redis refused
+        is logged and left pending, for a claim. Not for a cluster client: there the acks go on
+        their own (`settle_held`), as its pipelines hand a read's connection errors back as
+        replies, past the client's own reconnects and slot-map reloads."""
         acks, self._held = self._held, {}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -159,12 +164,12 @@ class BatchHandler:
                 read(pipe)
                 replies = await pipe.execute(raise_on_error=False)
         except BaseException as e:
-            self._settled_failing(acks, e)
+            self._not_settled(acks, e)
             raise
         landed = {}
         for (stream, ids), reply in zip(acks.items(), replies):
             if isinstance(reply, Exception):
-                self._settled_failing({stream: ids}, reply)
+                self._not_settled({stream: ids}, reply, raised=False)
             else:
                 landed[stream] = ids
         self._settled(landed)
@@ -173,41 +178,50 @@ class BatchHandler:
         return replies[-1]
 
     async def settle_held(self) -> None:
-        """Send the held acks on their own: before a claim, and when the consumer stops."""
+        """Send the held acks on their own: before a periodic claim, when the consumer stops,
+        and before each read on a cluster client."""
         if not self._held:
             return
         acks, self._held = self._held, {}
         try:
             await self._settler.flush(acks, [])
         except BaseException as e:
-            self._settled_failing(acks, e)
+            self._not_settled(acks, e)
             raise
-        self.outages.record(set(), acks, [])
+        self._settled(acks, counted=True)  # Settler._ack counted them
 
     @property
-    def holding(self) -> bool:
-        return bool(self._held)
+    def holding(self) -> int:
+        """How many acks are held."""
+        return sum(map(len, self._held.values()))
 
     def _hold(self, acks: dict[str, list[bytes]]) -> None:
         for stream, ids in acks.items():
             if ids:
                 self._held.setdefault(stream, []).extend(ids)
 
-    def _settled(self, acks: dict[str, list[bytes]]) -> None:
-        self.stats.acked += sum(map(len, acks.values()))
+    def _settled(self, acks: dict[str, list[bytes]], counted: bool = False) -> None:
+        if not counted:
+            self.stats.acked += sum(map(len, acks.values()))
         self.outages.record(set(), acks, [])
+        self._credited.difference_update((s, i) for s, ids in acks.items() for i in ids)
 
-    def _settled_failing(self, acks: dict[str, list[bytes]], e: BaseException) -> None:
-        """Acks that failed: held again where they may not have landed (an outage, a cancel;
-        those deliveries then come back through no fault of theirs). One Redis refused is
-        logged and its entries left pending, as a failed XACK always left them."""
-        if is_outage(e) or isinstance(e, asyncio.CancelledError):
-            self._hold(acks)
-            if is_outage(e):
-                self.outages.record({(s, i) for s, ids in acks.items() for i in ids}, {}, [])
-        else:
-            self.stats.redis_errors += 1
-            self._log.error("bus.ack_refused", error=str(e), entries=sum(map(len, acks.values())))
+    def _not_settled(self, acks: dict[str, list[bytes]], e: BaseException, raised: bool = True) -> None:
+        """Acks that failed. Held again unless Redis refused them (a ResponseError: their entries
+        stay pending, for a claim, as a failed XACK always left them): whatever else failed, they
+        may not have landed. An outage's deliveries are credited in the outage ledger, once per
+        delivery however often the held acks fail. A raised error is the caller's to count."""
+        ids = {(s, i) for s, batch in acks.items() for i in batch}
+        if isinstance(e, ResponseError):
+            self._credited.difference_update(ids)
+            if not raised:
+                self.stats.redis_errors += 1
+            self._log.error("bus.ack_refused", error=str(e), entries=len(ids))
+            return
+        self._hold(acks)
+        if is_outage(e):
+            self.outages.record(ids - self._credited, {}, [])
+            self._credited.update(ids)
 
     async def _handle_one(
         self, stream: str, entry_id: bytes | None, fields: dict[bytes, bytes] | None,

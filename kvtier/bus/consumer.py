@@ -29,7 +29,7 @@ from kvtier.bus.batch import SUMMARY_S as SUMMARY_S  # re-exported: tests/unit/t
 from kvtier.bus.batch import Delivery as Delivery  # what handlers take: imported from here
 from kvtier.bus.batch import _Summary as _Summary
 from kvtier.bus.cancel import raise_if_cancelling
-from kvtier.bus.connect import AsyncRedis
+from kvtier.bus.connect import AsyncRedis, is_cluster
 from kvtier.bus.deadletter import Entry, Settler
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.bus.publisher import BusStats
@@ -76,6 +76,7 @@ class Consumer:
         if socket_timeout is not None and block_ms >= socket_timeout * 1000:
             raise ValueError(f"block_ms={block_ms} must be below the socket timeout ({socket_timeout} s)")
         self._redis = redis
+        self._cluster = is_cluster(redis)
         self._streams = tuple(streams)
         self._by_key = {s.encode(): s for s in self._streams}
         self._group = group
@@ -101,7 +102,8 @@ class Consumer:
         self._read_to: dict[str, tuple[int, int]] = {}
 
     def stop(self) -> None:
-        """Ask `run()` to return once the current batch is handled and acked (within ~block_ms).
+        """Ask `run()` to return once the current batch is handled and acked (within ~block_ms;
+        an ack Redis does not take then leaves its entry pending for the next start, logged).
 
         Final: a stopped Consumer does not run again; build a new one.
         """
@@ -169,10 +171,21 @@ class Consumer:
                 await asyncio.sleep(backoff.compute(failures))
         finally:
             self._running = False
-            if self._batches.holding:  # what the last batch did is done: ack it (shielded, bounded)
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(asyncio.wait_for(self._batches.settle_held(), CANCEL_FLUSH_TIMEOUT_S))
+            await self._settle_at_exit()
             self._log.info("bus.consumer_stopped", **self.stats.as_dict())
+
+    async def _settle_at_exit(self) -> None:
+        """Ack what the last batch did (its effects are done): bounded by the client's own
+        timeouts on a stop, by CANCEL_FLUSH_TIMEOUT_S when cancelled. Acks that do not land
+        leave their entries pending for the next start, said in a log line."""
+        if not self._batches.holding:
+            return
+        task = asyncio.current_task()
+        bound = CANCEL_FLUSH_TIMEOUT_S if task is not None and task.cancelling() else None
+        with contextlib.suppress(Exception):
+            await asyncio.shield(asyncio.wait_for(self._batches.settle_held(), bound))
+        if left := self._batches.holding:
+            self._log.warning("bus.acks_left_pending", entries=left)
 
     # --- the three ways entries arrive ------------------------------------------------------
 
@@ -236,9 +249,10 @@ class Consumer:
             return r.xreadgroup(self._group, self._consumer, {s: ">" for s in self._streams},
                                 count=self._read_count, block=block_ms)
 
-        if self._batches.holding:  # the last batch's acks, then this read: one round trip
+        if self._batches.holding and not self._cluster:  # the last batch's acks, then this read: one round trip
             got = await self._batches.ack_then_read(read)
         else:
+            await self._batches.settle_held()
             got = await read(self._redis)
         reply = cast(list[tuple[bytes, list[Entry]]], got)
         if not reply:

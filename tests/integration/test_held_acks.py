@@ -26,7 +26,7 @@ async def aredis(redis_url: str) -> AsyncIterator:
         await client.aclose()
 
 
-async def test_a_batch_is_acked_by_the_next_read(aredis) -> None:
+async def test_a_batch_is_acked_by_the_next_read(aredis, monkeypatch) -> None:
     pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     rec = Recorder()
     consumer = make_consumer(aredis, rec)
@@ -38,8 +38,17 @@ async def test_a_batch_is_acked_by_the_next_read(aredis) -> None:
     assert await pending(aredis) == 1 and consumer.stats.acked == 0
     await pub.publish(STREAM, access("p1"))
     xacks = await _calls(aredis, "xack")
-    assert await consumer._read_new(block=False)  # p0's XACK rode with this read
-    assert await _calls(aredis, "xack") == xacks + 1
+    direct: list[object] = []  # commands sent on their own (a pipeline's go another way)
+    sent = aredis.execute_command
+
+    async def counted(*args, **kwargs):
+        direct.append(args[0])
+        return await sent(*args, **kwargs)
+
+    monkeypatch.setattr(aredis, "execute_command", counted)
+    assert await consumer._read_new(block=False)  # p0's XACK rode with this read: one round trip
+    monkeypatch.undo()
+    assert direct == [] and await _calls(aredis, "xack") == xacks + 1
     assert rec.pools() == ["p0", "p1"] and await pending(aredis) == 1 and consumer.stats.acked == 1
     assert not await consumer._read_new(block=False)  # nothing new: p1's ack went with the empty read
     assert await pending(aredis) == 0 and consumer.stats.acked == 2
