@@ -50,15 +50,6 @@ def access(pool: str = "pool0") -> Access:
     return Access(pool=pool, keys=(KEY,), missed=0)
 
 
-@pytest.fixture
-async def aredis(redis_url: str) -> AsyncIterator:
-    client = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=2)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 class Recorder:
     """A handler that records deliveries and can be told to fail for some pools."""
 

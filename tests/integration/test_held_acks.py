@@ -4,12 +4,11 @@ effects, and what may not have landed is held again, never dropped."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 from redis.exceptions import ResponseError
 
 from kvtier.bus.connect import make_redis
+from kvtier.bus.consumer import Consumer
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.bus.publisher import Publisher
 from tests.integration.test_bus import STREAM, Recorder, access, make_consumer, pending
@@ -17,22 +16,19 @@ from tests.integration.test_bus import STREAM, Recorder, access, make_consumer, 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def aredis(redis_url: str) -> AsyncIterator:
-    client = make_redis(redis_url, socket_timeout=2.0, connect_timeout=2.0, retries=2)
-    try:
-        yield client
-    finally:
-        await client.aclose()
+async def one_batch_held(r, rec: Recorder, **kw) -> tuple[Consumer, Publisher, bytes]:
+    """A consumer that has read and handled one entry, "p0", its ack held: (it, a publisher, the id)."""
+    pub = Publisher(r, "client-1", epoch=1, maxlen=1000)
+    consumer = make_consumer(r, rec, **kw)
+    await consumer._ensure_groups()
+    entry = await pub.publish(STREAM, access("p0"))
+    assert await consumer._read_new(block=False)
+    return consumer, pub, entry
 
 
 async def test_a_batch_is_acked_by_the_next_read(aredis, monkeypatch) -> None:
-    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
     rec = Recorder()
-    consumer = make_consumer(aredis, rec)
-    await consumer._ensure_groups()
-    await pub.publish(STREAM, access("p0"))
-    assert await consumer._read_new(block=False)
+    consumer, pub, _ = await one_batch_held(aredis, rec)
     # handled, its effects done, its ack held for the next read: still pending in Redis
     assert [d.envelope.event.pool for d in rec.seen] == ["p0"]
     assert await pending(aredis) == 1 and consumer.stats.acked == 0
@@ -55,12 +51,7 @@ async def test_a_batch_is_acked_by_the_next_read(aredis, monkeypatch) -> None:
 
 
 async def test_a_stop_acks_what_is_held(aredis) -> None:
-    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
-    rec = Recorder()
-    consumer = make_consumer(aredis, rec)
-    await consumer._ensure_groups()
-    await pub.publish(STREAM, access("p0"))
-    assert await consumer._read_new(block=False)
+    consumer, _, _ = await one_batch_held(aredis, Recorder())
     assert await pending(aredis) == 1
     consumer.stop()
     await consumer.run()  # stopped before it reads again: the held ack goes out on its own
@@ -70,11 +61,7 @@ async def test_a_stop_acks_what_is_held(aredis) -> None:
 async def test_a_refused_read_still_lands_the_acks(aredis) -> None:
     """Redis runs the XACKs before the read it refuses (no such group): they landed, so they are
     not held again, and the read's error is the caller's."""
-    pub = Publisher(aredis, "client-1", epoch=1, maxlen=1000)
-    consumer = make_consumer(aredis, Recorder())
-    await consumer._ensure_groups()
-    await pub.publish(STREAM, access("p0"))
-    assert await consumer._read_new(block=False)
+    consumer, _, _ = await one_batch_held(aredis, Recorder())
     with pytest.raises(ResponseError, match="NOGROUP"):
         await consumer._batches.ack_then_read(lambda pipe: pipe.xreadgroup("no-such-group", "c", {STREAM: ">"}))
     assert await pending(aredis) == 0 and consumer.stats.acked == 1 and not consumer._batches.holding
@@ -88,11 +75,7 @@ async def test_acks_an_outage_cut_off_are_held_and_sent_later(redis_url) -> None
     client = make_redis(redis_url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
     other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     try:
-        pub = Publisher(client, "client-1", epoch=1, maxlen=1000)
-        consumer = make_consumer(client, Recorder(), block_ms=100)
-        await consumer._ensure_groups()
-        entry = await pub.publish(STREAM, access("p0"))
-        assert await consumer._read_new(block=False)
+        consumer, _, entry = await one_batch_held(client, Recorder(), block_ms=100)
         await other.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         with pytest.raises(REDIS_ERRORS) as err:
             await consumer._read_new(block=False)
