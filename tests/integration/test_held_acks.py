@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from redis.exceptions import ResponseError
+from structlog.testing import capture_logs
 
 from kvtier.bus.connect import make_redis
 from kvtier.bus.consumer import Consumer
@@ -93,3 +94,23 @@ async def test_acks_an_outage_cut_off_are_held_and_sent_later(redis_url) -> None
 async def _calls(r, command: str) -> int:
     stats = await r.info("commandstats")
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_stop_in_an_outage_leaves_the_held_acks_pending_and_says_so(redis_url) -> None:
+    """Redis not answering when a stopped consumer sends its held acks: they cannot land, so
+    their entries stay pending (the next start handles them again) and a line says how many."""
+    client = make_redis(redis_url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
+    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    try:
+        consumer, _, _ = await one_batch_held(client, Recorder(), block_ms=100)
+        await other.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        consumer.stop()
+        with capture_logs() as logs:
+            await consumer.run()
+        left = [e for e in logs if e["event"] == "bus.acks_left_pending"]
+        assert [e["entries"] for e in left] == [1] and consumer.stats.acked == 0
+        await other.execute_command("CLIENT", "UNPAUSE")
+        assert await pending(client) == 1  # the entry waits for the next start, not lost, not acked
+    finally:
+        await client.aclose()
+        await other.aclose()
