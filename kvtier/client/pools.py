@@ -130,7 +130,7 @@ class ClientPool:
         lists in the cpu arena alone are probed and checked together (slot_batch.holds); the
         rest one by one, as the caller comes to them. A hint, as `locate`'s: a read verifies again."""
         for k, h in zip(keys, self._held_in_cpu(keys)):
-            yield Tier.CPU if h else None if (hit := self.locate(k)) is None else hit[0]
+            yield self._tier(k, h)
 
     def leading(self, keys: Sequence[bytes]) -> list[Tier]:
         """The tiers of the leading run of `keys` resident on this node (`located` up to its
@@ -139,13 +139,14 @@ class ClientPool:
         n = held.index(False) if False in held else len(held)
         tiers = [Tier.CPU] * n
         for k, h in zip(keys[n:], held[n:]):
-            if h:
-                tiers.append(Tier.CPU)
-            elif (hit := self.locate(k)) is not None:
-                tiers.append(hit[0])
-            else:
+            if (tier := self._tier(k, h)) is None:
                 break
+            tiers.append(tier)
         return tiers
+
+    def _tier(self, key: bytes, held_in_cpu: bool) -> Tier | None:
+        """The cpu tier where the batch probe found `key`, else `locate`'s."""
+        return Tier.CPU if held_in_cpu else None if (hit := self.locate(key)) is None else hit[0]
 
     def _held_in_cpu(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether the directory lists it in the cpu arena alone and its slot holds it
