@@ -4,6 +4,8 @@ effects, and what may not have landed is held again, never dropped."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from redis.exceptions import ResponseError
 from structlog.testing import capture_logs
@@ -12,7 +14,8 @@ from kvtier.bus.connect import make_redis
 from kvtier.bus.consumer import Consumer
 from kvtier.bus.failures import REDIS_ERRORS, is_outage
 from kvtier.bus.publisher import Publisher
-from tests.integration.test_bus import STREAM, Recorder, access, make_consumer, pending
+from tests.integration.test_bus import GROUP, STREAM, Recorder, access, make_consumer, pending, running
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -114,3 +117,98 @@ async def test_a_stop_in_an_outage_leaves_the_held_acks_pending_and_says_so(redi
     finally:
         await client.aclose()
         await other.aclose()
+
+
+async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
+    """When the claim comes due right after a batch (a handler slower than claim_idle_ms), the
+    batch's held ack goes first, on its own: the claim must not find that entry pending and hand
+    it back to be handled twice."""
+    release = asyncio.Event()
+    rec = Recorder()
+
+    async def slow(d) -> None:
+        await rec(d)
+        await release.wait()
+
+    consumer = make_consumer(aredis, slow, block_ms=50, claim_idle_ms=100)
+    async with running(consumer):
+        await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
+        await async_wait_until(lambda: rec.seen, message="p0 delivered")
+
+        async def idle_ms() -> int:
+            rows = await aredis.xpending_range(STREAM, GROUP, "-", "+", 1)
+            return rows[0]["time_since_delivered"] if rows else 0
+        # Idle past claim_idle_ms (so past the claim's due time too): the claim would take it.
+        await async_wait_until(lambda: _at_least(idle_ms(), 150), message="p0 idle past claim_idle_ms")
+        release.set()
+        await async_wait_until(lambda: consumer.stats.acked == 1, message="p0 acked")
+        claims = await _calls(aredis, "xautoclaim")
+        await async_wait_until(lambda: _at_least(_calls(aredis, "xautoclaim"), claims + 1), message="a claim after p0")
+    assert rec.pools() == ["p0"] and consumer.stats.reclaimed == 0 and await pending(aredis) == 0
+
+
+async def test_a_cancel_mid_read_settles_the_held_acks_on_the_way_out(aredis) -> None:
+    """The consumer cancelled while its held ack rides with a blocking read: that ack may not have
+    landed, so it is held again, and the consumer's exit sends it (bounded, as it was cancelled)."""
+    rec = Recorder()
+    consumer = make_consumer(aredis, rec, block_ms=1500)  # under the client's 2 s socket timeout
+    task = asyncio.create_task(consumer.run())
+    try:
+        await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
+        await async_wait_until(lambda: rec.seen, message="p0 delivered")
+        # The next read, with p0's ack, blocked in Redis.
+        await async_wait_until(lambda: _blocked(aredis), message="the consumer's read blocked")
+        with capture_logs() as logs:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        if not task.done():
+            task.cancel()
+    assert not [e for e in logs if e["event"] == "bus.acks_left_pending"]
+    assert consumer.stats.acked == 1 and not consumer._batches.holding and await pending(aredis) == 0
+
+
+async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) -> None:
+    """Cancelled while Redis holds every write (paused past the exit's 1 s bound) and the held ack
+    waits in it with the next read: the ack cannot land on the way out, so its entry stays pending
+    for the next start, and a line says so. Nothing is counted acked that was not."""
+    client = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    release = asyncio.Event()
+    rec = Recorder()
+
+    async def slow(d) -> None:
+        await rec(d)
+        await release.wait()
+
+    consumer = make_consumer(client, slow, block_ms=100)
+    task = asyncio.create_task(consumer.run())
+    try:
+        await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
+        await async_wait_until(lambda: rec.seen, message="p0 delivered")
+        await other.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+        release.set()  # p0 done: its ack goes with the next read, into the pause
+        await async_wait_until(lambda: _blocked(other), message="the ack and read held by the pause")
+        with capture_logs() as logs:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        left = [e for e in logs if e["event"] == "bus.acks_left_pending"]
+        assert [e["entries"] for e in left] == [1] and consumer.stats.acked == 0
+        await other.execute_command("CLIENT", "UNPAUSE")
+        assert await pending(client) == 1  # not lost: the next start handles it again
+    finally:
+        if not task.done():
+            task.cancel()
+        await other.execute_command("CLIENT", "UNPAUSE")
+        await client.aclose()
+        await other.aclose()
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count >= n
+
+
+async def _blocked(r) -> bool:
+    return int((await r.info("clients"))["blocked_clients"]) >= 1
