@@ -1,10 +1,10 @@
 """Where a sustained put's time goes: the client's phases, both processes' CPU, Redis commands.
 
-    .venv/bin/python benchmarks/put_phases.py [--kib 64] [--mib 256] [--rounds 4] [--redis-calls] [--quick]
-                                              [--loop uvloop|asyncio]
+    .venv/bin/python benchmarks/put_phases.py [--kib 64] [--mib 256] [--rounds 4] [--per-put 64] [--redis-calls]
+                                              [--quick] [--loop uvloop|asyncio]
 
 Starts a daemon of `kvtier bench`'s kind (kvtier/tools/bench_env.py) and puts `--mib` of blocks of
-`--kib` KiB, `--rounds` times, in chains of 64 as the bench does, each round until every block is
+`--kib` KiB, `--rounds` times, in puts of `--per-put` blocks (64, as the bench does), each round until every block is
 visible (kvtier/tools/bench_daemon.py's `warm_up` and `put_chains`, the bench's own). Per
 round and per block:
 - the wall time, and the ratio to a memcpy of the same bytes measured in the same run;
@@ -12,7 +12,10 @@ round and per block:
 - the client's phases, timed by wrapping the methods that run them: taking the granted slots,
   the copy threads' fill (awaited), encoding the put (during the fill), publishing it (awaited),
   the closing `wait_resident`;
-- the Redis commands a put of 64 blocks cost (INFO commandstats of the bench's own redis-server).
+- the Redis commands a put cost (INFO commandstats of the bench's own redis-server).
+
+`--per-put` splits a put's cost into what each put costs and what each block does: at 64 KiB
+about 40 % of both processes' CPU was per put (docs/performance.md, the fifteenth stop).
 
 The wrappers cost a few microseconds a put, not a block. `--redis-calls` also prints what one
 Redis command costs this process in CPU: through redis-py's client, through a redis-py
@@ -92,7 +95,7 @@ class Phases:
             setattr(owner, name, timed)
 
 
-async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
+async def rounds(env: Env, n: int, count: int, bound_gbps: float, blocks_per_put: int) -> None:
     phases = Phases()
     phases.wrap(staging.StagingWriter, "take_slots", "take slots")
     phases.wrap(client_mod.Client, "_start_copy", "fill (copy threads)", started=True)
@@ -120,18 +123,19 @@ async def rounds(env: Env, n: int, count: int, bound_gbps: float) -> None:
             phases.spent.clear()
             before = commands()
             c0, d0, t0 = time.process_time(), process_cpu_s(pid), time.perf_counter()
-            await put_chains(client, keys, kv)  # as `kvtier bench` puts a round
+            await put_chains(client, keys, kv, blocks_per_put)  # as `kvtier bench` puts a round
             wall = time.perf_counter() - t0
             client_s, daemon_s = time.process_time() - c0, process_cpu_s(pid) - d0
             after = commands()
-            puts = -(-n // 64)
+            puts = -(-n // blocks_per_put)
             per_put = {k: (v - before.get(k, 0)) / puts for k, v in after.items()
                        if k != "info" and v > before.get(k, 0)}
             us = lambda s: 1e6 * s / n  # noqa: E731
             print(f"round {r}: {n / wall:,.0f} blocks/s, {n * bb / wall / 1e9 / bound_gbps:.2f}x memcpy; a block: "
                   f"wall {us(wall):.1f} us, CPU client {us(client_s):.1f} us, daemon {us(daemon_s):.1f} us")
             print("  phases (us a block): " + ", ".join(f"{k} {us(v):.1f}" for k, v in phases.spent.items()))
-            print("  Redis commands a put of 64: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_put.items())))
+            print(f"  Redis commands a put of {blocks_per_put}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_put.items())))
     time.sleep(1.5)  # the daemon writes stats.json each second (the bench's stats_interval_s)
     c = json.loads((env.rdir / STATS).read_text())["pools"]["b"]
     print(f"daemon, all rounds and the warm-up: {c['puts']:,} blocks put, {c['granted_puts']:,} of them into granted "
@@ -184,6 +188,7 @@ def main() -> None:
     ap.add_argument("--kib", type=int, default=64, help="block size: Llama-3-8B's heads, kib/64 layers")
     ap.add_argument("--mib", type=int, default=256, help="bytes put a round")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--per-put", type=int, default=64, help="blocks a put (the bench's: 64)")
     ap.add_argument("--redis-calls", action="store_true", help="also the CPU of one Redis command, three ways")
     ap.add_argument("--quick", action="store_true", help="an arena for the working set alone (a smoke run)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
@@ -191,17 +196,20 @@ def main() -> None:
     a = ap.parse_args()
     if a.kib < 64 or a.kib % 64 or a.kib > 2048:
         ap.error("--kib must be a multiple of 64 up to 2048 (a layer of Llama-3-8B's 16-token block is 64 KiB)")
+    if not 1 <= a.per_put <= 4096:
+        ap.error("--per-put must be 1 to 4096 blocks (a client holds up to 4,096 granted slots of 64 KiB here)")
     bb = a.kib << 10
     n = max(64, (a.mib << 20) // bb)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         bound = memcpy_gbps(n * bb, 3)
-        print(f"{a.rounds} rounds of {n:,} blocks of {a.kib} KiB; memcpy {bound:.2f} GB/s (the bound)")
+        print(f"{a.rounds} rounds of {n:,} blocks of {a.kib} KiB, {a.per_put} a put; "
+              f"memcpy {bound:.2f} GB/s (the bound)")
         (workdir / "env").mkdir()
         env = Env(dict(LLAMA, layers=a.kib // 64), arena_blocks(n * (a.rounds + 1), a.quick, bb), workdir / "env")
         try:
             run = uvloop.run if a.loop == "uvloop" else asyncio.run
-            run(rounds(env, n, a.rounds, bound))
+            run(rounds(env, n, a.rounds, bound, a.per_put))
         finally:
             env.close()
         if a.redis_calls:

@@ -51,15 +51,16 @@ async def warm_up(client, kv, salt: bytes) -> None:
         await asyncio.sleep(0.01)
 
 
-async def put_chains(client, keys: list[bytes], kv) -> None:
-    """One put round: `keys` (a chain) with kv's blocks, in puts of 64, each dropped rest handed
-    again, until every block is visible in the cpu tier."""
-    for i in range(0, len(keys), 64):
-        res = await client.put("b", keys[i:i + 64], kv[i:i + 64], parent=keys[i - 1] if i else None)
+async def put_chains(client, keys: list[bytes], kv, per_put: int = 64) -> None:
+    """One put round: `keys` (a chain) with kv's blocks, in puts of `per_put`, each dropped rest
+    handed again, until every block is visible in the cpu tier."""
+    for i in range(0, len(keys), per_put):
+        end = i + per_put
+        res = await client.put("b", keys[i:end], kv[i:end], parent=keys[i - 1] if i else None)
         while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
             await asyncio.sleep(0.001)
             j = i + res.staged
-            res = await client.put("b", keys[j:i + 64], kv[j:i + 64], parent=keys[j - 1] if j else None)
+            res = await client.put("b", keys[j:end], kv[j:end], parent=keys[j - 1] if j else None)
     if not await client.wait_resident("b", keys, timeout=120):
         raise RuntimeError("put: blocks did not become visible")
 

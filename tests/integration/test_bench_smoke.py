@@ -61,9 +61,11 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
 
 def test_put_phases_reports_each_phase_cpu_and_redis_commands() -> None:
     """benchmarks/put_phases.py on a small arena: a round's rate, both processes' CPU a block,
-    the client's four phases, the Redis commands a put, and one command's CPU three ways."""
+    the client's four phases, the Redis commands a put (of --per-put blocks), and
+    one command's CPU three ways."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "put_phases.py"), "--mib", "8", "--rounds", "1",
-                          "--quick", "--redis-calls"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          "--per-put", "16", "--quick", "--redis-calls"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
     assert re.search(r"round 0: [\d,]+ blocks/s, [\d.]+x memcpy; a block: wall [\d.]+ us, CPU client [\d.]+ us, "
@@ -71,7 +73,8 @@ def test_put_phases_reports_each_phase_cpu_and_redis_commands() -> None:
     phases = re.search(r"phases \(us a block\): (.*)", out)
     assert phases and all(p in phases.group(1) for p in ("take slots", "fill (copy threads)", "publish",
                                                          "wait_resident")), out
-    assert re.search(r"Redis commands a put of 64: .*xadd [\d.]+", out), out  # the client's put, at least
+    assert "128 blocks of 64 KiB, 16 a put" in out, out
+    assert re.search(r"Redis commands a put of 16: .*xadd [\d.]+", out), out  # the client's put, at least
     assert len(re.findall(r"PING: [\d.]+ us of CPU a call", out)) == 3, out
 
 
