@@ -4,9 +4,9 @@
                                               [--quick] [--loop uvloop|asyncio]
 
 Starts a daemon of `kvtier bench`'s kind (kvtier/tools/bench_env.py) and puts `--mib` of blocks of
-`--kib` KiB, `--rounds` times, in puts of `--per-put` blocks (64, as the bench does), each round until every block is
-visible (kvtier/tools/bench_daemon.py's `warm_up` and `put_chains`, the bench's own). Per
-round and per block:
+`--kib` KiB, `--rounds` times, in puts of `--per-put` blocks (64, as the bench does), each round
+until every block is visible (kvtier/tools/bench_daemon.py's `warm_up` and `put_chains`, the
+bench's own). Per round and per block:
 - the wall time, and the ratio to a memcpy of the same bytes measured in the same run;
 - the CPU of the client (this process) and of the daemon (schedstat, every thread);
 - the client's phases, timed by wrapping the methods that run them: taking the granted slots,
@@ -15,7 +15,8 @@ round and per block:
 - the Redis commands a put cost (INFO commandstats of the bench's own redis-server).
 
 `--per-put` splits a put's cost into what each put costs and what each block does: at 64 KiB
-about 40 % of both processes' CPU was per put (docs/performance.md, the fifteenth stop).
+and 64 blocks a put, about a third of both processes' CPU was per put (docs/performance.md,
+the fifteenth stop).
 
 The wrappers cost a few microseconds a put, not a block. `--redis-calls` also prints what one
 Redis command costs this process in CPU: through redis-py's client, through a redis-py

@@ -18,6 +18,19 @@ from tests.integration.test_bus import GROUP, STREAM, Recorder, access, make_con
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.integration
+NO_CLAIM_MS = 60_000  # no periodic claim comes due during the test: the held ack goes with a read
+
+
+class Gated(Recorder):
+    """A Recorder whose handler returns only once `release` is set (a slow handler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def __call__(self, d) -> None:
+        await super().__call__(d)
+        await self.release.wait()
 
 
 async def one_batch_held(r, rec: Recorder, **kw) -> tuple[Consumer, Publisher, bytes]:
@@ -123,14 +136,8 @@ async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
     """When the claim comes due right after a batch (a handler slower than claim_idle_ms), the
     batch's held ack goes first, on its own: the claim must not find that entry pending and hand
     it back to be handled twice."""
-    release = asyncio.Event()
-    rec = Recorder()
-
-    async def slow(d) -> None:
-        await rec(d)
-        await release.wait()
-
-    consumer = make_consumer(aredis, slow, block_ms=50, claim_idle_ms=100)
+    rec = Gated()
+    consumer = make_consumer(aredis, rec, block_ms=50, claim_idle_ms=100)
     async with running(consumer):
         await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
         await async_wait_until(lambda: rec.seen, message="p0 delivered")
@@ -140,7 +147,7 @@ async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
             return rows[0]["time_since_delivered"] if rows else 0
         # Idle past claim_idle_ms (so past the claim's due time too): the claim would take it.
         await async_wait_until(lambda: _at_least(idle_ms(), 150), message="p0 idle past claim_idle_ms")
-        release.set()
+        rec.release.set()
         await async_wait_until(lambda: consumer.stats.acked == 1, message="p0 acked")
         claims = await _calls(aredis, "xautoclaim")
         await async_wait_until(lambda: _at_least(_calls(aredis, "xautoclaim"), claims + 1), message="a claim after p0")
@@ -151,7 +158,7 @@ async def test_a_cancel_mid_read_settles_the_held_acks_on_the_way_out(aredis) ->
     """The consumer cancelled while its held ack rides with a blocking read: that ack may not have
     landed, so it is held again, and the consumer's exit sends it (bounded, as it was cancelled)."""
     rec = Recorder()
-    consumer = make_consumer(aredis, rec, block_ms=1500)  # under the client's 2 s socket timeout
+    consumer = make_consumer(aredis, rec, block_ms=1500, claim_idle_ms=NO_CLAIM_MS)  # under the 2 s socket timeout
     task = asyncio.create_task(consumer.run())
     try:
         await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
@@ -175,20 +182,14 @@ async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) 
     for the next start, and a line says so. Nothing is counted acked that was not."""
     client = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
-    release = asyncio.Event()
-    rec = Recorder()
-
-    async def slow(d) -> None:
-        await rec(d)
-        await release.wait()
-
-    consumer = make_consumer(client, slow, block_ms=100)
+    rec = Gated()
+    consumer = make_consumer(client, rec, block_ms=100, claim_idle_ms=NO_CLAIM_MS)
     task = asyncio.create_task(consumer.run())
     try:
         await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
         await async_wait_until(lambda: rec.seen, message="p0 delivered")
         await other.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
-        release.set()  # p0 done: its ack goes with the next read, into the pause
+        rec.release.set()  # p0 done: its ack goes with the next read, into the pause
         await async_wait_until(lambda: _blocked(other), message="the ack and read held by the pause")
         with capture_logs() as logs:
             task.cancel()
