@@ -57,10 +57,11 @@ async def put_chains(client, keys: list[bytes], kv, per_put: int = 64) -> None:
     for i in range(0, len(keys), per_put):
         end = i + per_put
         res = await client.put("b", keys[i:end], kv[i:end], parent=keys[i - 1] if i else None)
+        j = i + res.staged  # handed over so far
         while res.dropped:  # staging full: the daemon has not caught up; hand the rest again
             await asyncio.sleep(0.001)
-            j = i + res.staged
             res = await client.put("b", keys[j:end], kv[j:end], parent=keys[j - 1] if j else None)
+            j += res.staged
     if not await client.wait_resident("b", keys, timeout=120):
         raise RuntimeError("put: blocks did not become visible")
 

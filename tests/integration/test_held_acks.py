@@ -5,6 +5,7 @@ effects, and what may not have landed is held again, never dropped."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from redis.exceptions import ResponseError
@@ -154,33 +155,42 @@ async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
     assert rec.pools() == ["p0"] and consumer.stats.reclaimed == 0 and await pending(aredis) == 0
 
 
-async def test_a_cancel_mid_read_settles_the_held_acks_on_the_way_out(aredis) -> None:
+async def test_a_cancel_mid_read_settles_the_held_acks_on_the_way_out(redis_url) -> None:
     """The consumer cancelled while its held ack rides with a blocking read: that ack may not have
-    landed, so it is held again, and the consumer's exit sends it (bounded, as it was cancelled)."""
+    landed, so it is held again, and the consumer's exit sends it (bounded, as it was cancelled).
+    (Redis ran the pipeline's XACK before the read blocked, so the entry is not pending either
+    way: the exit's own XACK is what shows the ack was held again.)"""
+    client = make_redis(redis_url, socket_timeout=10.0, connect_timeout=2.0, retries=0)
+    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     rec = Recorder()
-    consumer = make_consumer(aredis, rec, block_ms=1500, claim_idle_ms=NO_CLAIM_MS)  # under the 2 s socket timeout
+    consumer = make_consumer(client, rec, block_ms=8000, claim_idle_ms=NO_CLAIM_MS)  # the read outlasts the test
     task = asyncio.create_task(consumer.run())
     try:
-        await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
+        await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
         await async_wait_until(lambda: rec.seen, message="p0 delivered")
         # The next read, with p0's ack, blocked in Redis.
-        await async_wait_until(lambda: _blocked(aredis), message="the consumer's read blocked")
+        await async_wait_until(lambda: _blocked(other), message="the consumer's read blocked")
+        xacks = await _calls(other, "xack")
         with capture_logs() as logs:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+        assert await _calls(other, "xack") == xacks + 1  # the exit's, for the ack held again
+        assert not [e for e in logs if e["event"] == "bus.acks_left_pending"]
+        assert consumer.stats.acked == 1 and not consumer._batches.holding and await pending(other) == 0
     finally:
         if not task.done():
             task.cancel()
-    assert not [e for e in logs if e["event"] == "bus.acks_left_pending"]
-    assert consumer.stats.acked == 1 and not consumer._batches.holding and await pending(aredis) == 0
+        await client.aclose()
+        await other.aclose()
 
 
 async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) -> None:
-    """Cancelled while Redis holds every write (paused past the exit's 1 s bound) and the held ack
-    waits in it with the next read: the ack cannot land on the way out, so its entry stays pending
-    for the next start, and a line says so. Nothing is counted acked that was not."""
-    client = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    """Cancelled while Redis holds every write (paused far past the exit's 1 s bound) and the held
+    ack waits in it with the next read: the exit gives up after its bound, not the client's 8 s
+    socket timeout; the ack cannot land, so its entry stays pending for the next start, and a line
+    says so. Nothing is counted acked that was not."""
+    client = make_redis(redis_url, socket_timeout=8.0, connect_timeout=2.0, retries=0)
     other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     rec = Gated()
     consumer = make_consumer(client, rec, block_ms=100, claim_idle_ms=NO_CLAIM_MS)
@@ -188,13 +198,16 @@ async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) 
     try:
         await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
         await async_wait_until(lambda: rec.seen, message="p0 delivered")
-        await other.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+        await other.execute_command("CLIENT", "PAUSE", "20000", "WRITE")  # lifted below, once cancelled
         rec.release.set()  # p0 done: its ack goes with the next read, into the pause
         await async_wait_until(lambda: _blocked(other), message="the ack and read held by the pause")
         with capture_logs() as logs:
+            t0 = time.monotonic()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            took = time.monotonic() - t0
+        assert took < 4.0, took  # the exit's 1 s bound, well short of the 8 s socket timeout
         left = [e for e in logs if e["event"] == "bus.acks_left_pending"]
         assert [e["entries"] for e in left] == [1] and consumer.stats.acked == 0
         await other.execute_command("CLIENT", "UNPAUSE")
