@@ -15,19 +15,12 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from kvtier.bus.batch import Delivery
 from kvtier.bus.connect import make_blocks_redis
-from kvtier.bus.streams import StreamNames
-from kvtier.core.events import Envelope, Evict, Put, Reason, Tier
-from kvtier.core.fence import CommandFence
-from kvtier.daemon.coordinator import Coordinator
+from kvtier.core.events import Evict, Put, Reason, Tier
 from kvtier.shm.slots import checksum
 from kvtier.tiers.evicting import Evictions
 from kvtier.tiers.facts import Facts
-from kvtier.tiers.granted_puts import GrantedPuts
-from kvtier.tiers.grants import GrantBook
-from tests.support.grant_pool import grant_pool, no_room
-from tests.unit.test_granted_puts import Streams
+from tests.support.grant_pool import Streams, adopting_coordinator, grant_pool, no_room, put_delivery
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +32,7 @@ class Node:
 
     def __init__(self, rt, staging, w, log) -> None:
         self.rt, self.w, self.log = rt, w, log
-        self.book = GrantBook({"s": rt}, staging, 4, log)
-        self.book.renew(sorted(staging.present()))
-        self.book.want("s", w.seg.name)
-        streams = Streams()
-        adopter = GrantedPuts(self.book, CommandFence(4096), lambda pool, keys: False, streams.stamp, log)
-        self.coord = Coordinator({"s": rt}, staging, streams, StreamNames("recheck"), log,
-                                 on_facts=lambda pool, facts: None, grants=self.book, granted_puts=adopter)
+        self.coord, self.book, _ = adopting_coordinator(rt, staging, w, log, 4, Streams())
         self.seq = 0
 
     async def put(self, key: bytes, parent: bytes | None) -> np.ndarray:
@@ -56,9 +43,7 @@ class Node:
         self.seq += 1
         row = np.random.default_rng(self.seq).integers(0, 255, (1, self.rt.layout.block_bytes), dtype=np.uint8)
         [filled] = self.w.fill_rows([(0, taken)], row)
-        env = Envelope(event=Put("s", self.w.seg.name, (filled,), None, self.book.epoch), producer="client",
-                       epoch=1, seq=self.seq)
-        await self.coord.handle(Delivery("client", b"%d-0" % self.seq, env))
+        await self.coord.handle(put_delivery(Put("s", self.w.seg.name, (filled,), None, self.book.epoch), self.seq))
         assert self.rt.cpu.index.get(key) is not None, "adopted: visible in the cpu tier"
         return row[0]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from redis.exceptions import ResponseError
@@ -32,6 +34,42 @@ class Gated(Recorder):
     async def __call__(self, d) -> None:
         await super().__call__(d)
         await self.release.wait()
+
+
+@asynccontextmanager
+async def clients(redis_url: str, socket_timeout: float, connect_timeout: float = 2.0) -> AsyncIterator[tuple]:
+    """The consumer's client (`socket_timeout`, no retries) and another that pauses Redis and looks
+    at it; any pause lifted and both closed after."""
+    client = make_redis(redis_url, socket_timeout=socket_timeout, connect_timeout=connect_timeout, retries=0)
+    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
+    try:
+        yield client, other
+    finally:
+        await other.execute_command("CLIENT", "UNPAUSE")
+        await client.aclose()
+        await other.aclose()
+
+
+@asynccontextmanager
+async def run_task(consumer: Consumer) -> AsyncIterator[asyncio.Task]:
+    """`consumer.run()` as a task, cancelled after if the test left it running."""
+    task = asyncio.create_task(consumer.run())
+    try:
+        yield task
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def cancel(task: asyncio.Task) -> None:
+    """Cancel the consumer's task and wait for it to end, as cancelled."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def publish_p0(r) -> bytes:
+    return await Publisher(r, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
 
 
 async def one_batch_held(r, rec: Recorder, **kw) -> tuple[Consumer, Publisher, bytes]:
@@ -90,9 +128,7 @@ async def test_acks_an_outage_cut_off_are_held_and_sent_later(redis_url) -> None
     consumer's socket timeout): they are held again, since they may not have landed, and the
     outage ledger keeps that delivery from counting against the entry. They land with the next
     read once Redis answers."""
-    client = make_redis(redis_url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
-    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
-    try:
+    async with clients(redis_url, 0.5, connect_timeout=0.5) as (client, other):
         consumer, _, entry = await one_batch_held(client, Recorder(), block_ms=100)
         await other.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         with pytest.raises(REDIS_ERRORS) as err:
@@ -103,9 +139,6 @@ async def test_acks_an_outage_cut_off_are_held_and_sent_later(redis_url) -> None
         await other.execute_command("CLIENT", "UNPAUSE")
         assert not await consumer._read_new(block=False)
         assert await pending(client) == 0 and consumer.stats.acked == 1 and not consumer._batches.holding
-    finally:
-        await client.aclose()
-        await other.aclose()
 
 
 async def _calls(r, command: str) -> int:
@@ -116,9 +149,7 @@ async def _calls(r, command: str) -> int:
 async def test_a_stop_in_an_outage_leaves_the_held_acks_pending_and_says_so(redis_url) -> None:
     """Redis not answering when a stopped consumer sends its held acks: they cannot land, so
     their entries stay pending (the next start handles them again) and a line says how many."""
-    client = make_redis(redis_url, socket_timeout=0.5, connect_timeout=0.5, retries=0)
-    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
-    try:
+    async with clients(redis_url, 0.5, connect_timeout=0.5) as (client, other):
         consumer, _, _ = await one_batch_held(client, Recorder(), block_ms=100)
         await other.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         consumer.stop()
@@ -128,9 +159,6 @@ async def test_a_stop_in_an_outage_leaves_the_held_acks_pending_and_says_so(redi
         assert [e["entries"] for e in left] == [1] and consumer.stats.acked == 0
         await other.execute_command("CLIENT", "UNPAUSE")
         assert await pending(client) == 1  # the entry waits for the next start, not lost, not acked
-    finally:
-        await client.aclose()
-        await other.aclose()
 
 
 async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
@@ -140,7 +168,7 @@ async def test_held_acks_go_before_a_periodic_claim(aredis) -> None:
     rec = Gated()
     consumer = make_consumer(aredis, rec, block_ms=50, claim_idle_ms=100)
     async with running(consumer):
-        await Publisher(aredis, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
+        await publish_p0(aredis)
         await async_wait_until(lambda: rec.seen, message="p0 delivered")
 
         async def idle_ms() -> int:
@@ -160,29 +188,20 @@ async def test_a_cancel_mid_read_settles_the_held_acks_on_the_way_out(redis_url)
     landed, so it is held again, and the consumer's exit sends it (bounded, as it was cancelled).
     (Redis ran the pipeline's XACK before the read blocked, so the entry is not pending either
     way: the exit's own XACK is what shows the ack was held again.)"""
-    client = make_redis(redis_url, socket_timeout=10.0, connect_timeout=2.0, retries=0)
-    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     rec = Recorder()
-    consumer = make_consumer(client, rec, block_ms=8000, claim_idle_ms=NO_CLAIM_MS)  # the read outlasts the test
-    task = asyncio.create_task(consumer.run())
-    try:
-        await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
-        await async_wait_until(lambda: rec.seen, message="p0 delivered")
-        # The next read, with p0's ack, blocked in Redis.
-        await async_wait_until(lambda: _blocked(other), message="the consumer's read blocked")
-        xacks = await _calls(other, "xack")
-        with capture_logs() as logs:
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+    async with clients(redis_url, 10.0) as (client, other):
+        consumer = make_consumer(client, rec, block_ms=8000, claim_idle_ms=NO_CLAIM_MS)  # the read outlasts the test
+        async with run_task(consumer) as task:
+            await publish_p0(client)
+            await async_wait_until(lambda: rec.seen, message="p0 delivered")
+            # The next read, with p0's ack, blocked in Redis.
+            await async_wait_until(lambda: _blocked(other), message="the consumer's read blocked")
+            xacks = await _calls(other, "xack")
+            with capture_logs() as logs:
+                await cancel(task)
         assert await _calls(other, "xack") == xacks + 1  # the exit's, for the ack held again
         assert not [e for e in logs if e["event"] == "bus.acks_left_pending"]
         assert consumer.stats.acked == 1 and not consumer._batches.holding and await pending(other) == 0
-    finally:
-        if not task.done():
-            task.cancel()
-        await client.aclose()
-        await other.aclose()
 
 
 async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) -> None:
@@ -190,34 +209,24 @@ async def test_a_cancel_while_redis_stalls_keeps_the_ack_and_says_so(redis_url) 
     ack waits in it with the next read: the exit gives up after its bound, not the client's 8 s
     socket timeout; the ack cannot land, so its entry stays pending for the next start, and a line
     says so. Nothing is counted acked that was not."""
-    client = make_redis(redis_url, socket_timeout=8.0, connect_timeout=2.0, retries=0)
-    other = make_redis(redis_url, socket_timeout=5.0, connect_timeout=2.0, retries=0)
     rec = Gated()
-    consumer = make_consumer(client, rec, block_ms=100, claim_idle_ms=NO_CLAIM_MS)
-    task = asyncio.create_task(consumer.run())
-    try:
-        await Publisher(client, "client-1", epoch=1, maxlen=1000).publish(STREAM, access("p0"))
-        await async_wait_until(lambda: rec.seen, message="p0 delivered")
-        await other.execute_command("CLIENT", "PAUSE", "20000", "WRITE")  # lifted below, once cancelled
-        rec.release.set()  # p0 done: its ack goes with the next read, into the pause
-        await async_wait_until(lambda: _blocked(other), message="the ack and read held by the pause")
-        with capture_logs() as logs:
-            t0 = time.monotonic()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            took = time.monotonic() - t0
+    async with clients(redis_url, 8.0) as (client, other):
+        consumer = make_consumer(client, rec, block_ms=100, claim_idle_ms=NO_CLAIM_MS)
+        async with run_task(consumer) as task:
+            await publish_p0(client)
+            await async_wait_until(lambda: rec.seen, message="p0 delivered")
+            await other.execute_command("CLIENT", "PAUSE", "20000", "WRITE")  # lifted below, once cancelled
+            rec.release.set()  # p0 done: its ack goes with the next read, into the pause
+            await async_wait_until(lambda: _blocked(other), message="the ack and read held by the pause")
+            with capture_logs() as logs:
+                t0 = time.monotonic()
+                await cancel(task)
+                took = time.monotonic() - t0
         assert took < 4.0, took  # the exit's 1 s bound, well short of the 8 s socket timeout
         left = [e for e in logs if e["event"] == "bus.acks_left_pending"]
         assert [e["entries"] for e in left] == [1] and consumer.stats.acked == 0
         await other.execute_command("CLIENT", "UNPAUSE")
         assert await pending(client) == 1  # not lost: the next start handles it again
-    finally:
-        if not task.done():
-            task.cancel()
-        await other.execute_command("CLIENT", "UNPAUSE")
-        await client.aclose()
-        await other.aclose()
 
 
 async def _at_least(count, n: int) -> bool:

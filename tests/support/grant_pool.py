@@ -1,21 +1,75 @@
 """A pool opened in-process as the daemon opens it (kvtier/daemon/pools.py), with a client's
-staging segment mapped to write the pool's arena: for the unit tests of the grant book."""
+staging segment mapped to write the pool's arena, and the daemon's Coordinator adopting that
+client's granted puts: for the tests of the grant book and of in-process adoption."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import structlog
 
+from kvtier.bus.batch import Delivery
+from kvtier.bus.streams import StreamNames
 from kvtier.config import PolicyConfig, PoolConfig, RedisConfig
+from kvtier.core.events import Envelope, Put
+from kvtier.core.fence import CommandFence
+from kvtier.daemon.coordinator import Coordinator
 from kvtier.daemon.pools import close_pool, open_pool
+from kvtier.keys import BlockKey
 from kvtier.logs import Log
 from kvtier.shm.staging import StagingWriter
 from kvtier.shm.staging_files import StagingSegments
+from kvtier.tiers.granted_puts import GrantedPuts
+from kvtier.tiers.grants import GrantBook
 from kvtier.tiers.pool import PoolRuntime
+
+EPOCH = 7  # the daemon publisher's epoch in Streams' stamps
+
+
+class Streams:
+    """The daemon's publisher in process: what each flush published, its seqs, and a failure to
+    raise on the next publish when set."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.sent: list[tuple[str, object]] = []
+        self.fail: Exception | None = None
+
+    def stamp(self) -> tuple[int, int]:
+        self.seq += 1
+        return EPOCH, self.seq
+
+    async def publish_many(self, items) -> None:
+        self.seq += len(items)
+        if self.fail is not None:
+            e, self.fail = self.fail, None
+            raise e
+        self.sent.extend(items)
+
+
+def adopting_coordinator(rt: PoolRuntime, staging: StagingSegments, w: StagingWriter, log: Log, grants: int,
+                         streams: Streams, queued: Callable[[str, Iterable[BlockKey]], bool] = lambda pool, keys: False,
+                         on_facts: Callable[[str, list], object] = lambda pool, facts: None
+                         ) -> tuple[Coordinator, GrantBook, CommandFence]:
+    """The daemon's Coordinator adopting granted puts in-process, its grant book (which grants
+    `w`'s client up to `grants` slots at its next top-up) and the cpu worker's command fence.
+    `queued`: whether the cpu worker has work queued for any of (pool, keys)."""
+    book = GrantBook({"s": rt}, staging, grants, log)
+    book.renew(sorted(staging.present()))
+    book.want("s", w.seg.name)
+    fence = CommandFence(4096)
+    adopter = GrantedPuts(book, fence, queued, streams.stamp, log)
+    coord = Coordinator({"s": rt}, staging, streams, StreamNames("granted"), log, on_facts=on_facts, grants=book,
+                        granted_puts=adopter)
+    return coord, book, fence
+
+
+def put_delivery(put: Put, seq: int) -> Delivery:
+    """A client's put as the coordinator gets it from the client stream."""
+    return Delivery("client", b"%d-0" % seq, Envelope(event=put, producer="client", epoch=1, seq=seq))
 
 
 async def no_room(rt: PoolRuntime) -> bool:

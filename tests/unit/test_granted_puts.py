@@ -15,53 +15,21 @@ import asyncio
 
 import numpy as np
 
-from kvtier.bus.batch import Delivery
-from kvtier.bus.streams import StreamNames
 from kvtier.config import PolicyConfig
-from kvtier.core.events import Copy, Envelope, Put, StoreBatch, Stored, Tier
-from kvtier.core.fence import CommandFence
+from kvtier.core.events import Copy, Put, StoreBatch, Stored, Tier
 from kvtier.daemon.coordinator import Coordinator
 from kvtier.shm.slots import Flags
-from kvtier.tiers.granted_puts import GrantedPuts
 from kvtier.tiers.grants import GrantBook
-from tests.support.grant_pool import grant_pool, no_room
-
-EPOCH = 7
-
-
-class Streams:
-    """The daemon's publisher in process: what each flush published, its seqs, and a failure to
-    raise on the next publish when set."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.sent: list[tuple[str, object]] = []
-        self.fail: Exception | None = None
-
-    def stamp(self) -> tuple[int, int]:
-        self.seq += 1
-        return EPOCH, self.seq
-
-    async def publish_many(self, items) -> None:
-        self.seq += len(items)
-        if self.fail is not None:
-            e, self.fail = self.fail, None
-            raise e
-        self.sent.extend(items)
+from tests.support.grant_pool import EPOCH, Streams, adopting_coordinator, grant_pool, no_room, put_delivery
 
 
 def granted_put(rt, staging, w, log, n: int, queued=lambda pool, keys: False, policy_streams: Streams | None = None):
     """A coordinator with granted puts on, and a put of `n` blocks the client wrote into granted slots."""
-    book = GrantBook({"s": rt}, staging, n, log)
-    book.renew(sorted(staging.present()))
-    book.want("s", w.seg.name)
-    assert asyncio.run(book.top_up(no_room)) == n
     streams = policy_streams or Streams()
-    fence = CommandFence(4096)
-    adopter = GrantedPuts(book, fence, queued, streams.stamp, log)
     facts: list = []
-    coord = Coordinator({"s": rt}, staging, streams, StreamNames("granted"), log,
-                        on_facts=lambda pool, fs: facts.extend(fs), grants=book, granted_puts=adopter)
+    coord, book, fence = adopting_coordinator(rt, staging, w, log, n, streams, queued,
+                                              on_facts=lambda pool, fs: facts.extend(fs))
+    assert asyncio.run(book.top_up(no_room)) == n
     keys = [bytes([i + 1]) * 32 for i in range(n)]
     taken = w.take_slots(keys, None)
     assert [b.granted for b in taken] == [True] * n
@@ -71,8 +39,7 @@ def granted_put(rt, staging, w, log, n: int, queued=lambda pool, keys: False, po
 
 
 def deliver(coord: Coordinator, put: Put, seq: int) -> None:
-    env = Envelope(event=put, producer="client", epoch=1, seq=seq)
-    asyncio.run(coord.handle(Delivery("client", b"%d-0" % seq, env)))
+    asyncio.run(coord.handle(put_delivery(put, seq)))
 
 
 def test_a_puts_granted_blocks_are_visible_once_handled_with_nothing_on_a_stream() -> None:
