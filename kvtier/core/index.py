@@ -64,6 +64,9 @@ class TierIndex:
             self.capacity = 0
             self.bring_into_service(range(capacity) if in_service is None else in_service)
         self._entries: dict[BlockKey, Entry] = {}
+        # slot -> the key of its entry (PENDING or READY): lets a sweep walk a stretch of slots
+        # (`ready_in_slots`) where a walk of the LRU would visit every block (core/resync.py).
+        self._by_slot: list[BlockKey | None] = [None] * (capacity or 0)
         self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # READY entries, coldest first
         # READY children per parent key, whether or not the parent is here yet, so a parent that
         # arrives after its child is still protected.
@@ -108,6 +111,13 @@ class TierIndex:
         for key in self._lru:
             yield self._entries[key]
 
+    def ready_in_slots(self, start: int, end: int) -> list[tuple[int, BlockKey]]:
+        """(slot, key) of each READY entry in slots [start, end), in slot order: a stretch of a
+        sweep over the tier, its cost that of the stretch, not of the tier."""
+        entries, ready = self._entries, State.READY
+        return [(s, k) for s, k in enumerate(self._by_slot[start:end], start)
+                if k is not None and entries[k].state is ready]
+
     def candidates(self) -> Iterator[BlockKey]:
         """Eviction candidates, coldest first: READY, unpinned, no resident children."""
         for key in self._lru:
@@ -140,6 +150,8 @@ class TierIndex:
             return None  # taken, or no such slot
         e = Entry(key=key, parent=parent, slot=slot)
         self._entries[key] = e
+        if slot >= 0:
+            self._by_slot[slot] = key
         return e
 
     def grant(self, n: int) -> list[int]:
@@ -158,7 +170,8 @@ class TierIndex:
         if slot not in self._granted or key in self._entries:
             return None
         self._granted.discard(slot)
-        e = self._entries[key] = Entry(key=key, parent=parent, slot=slot)
+        e = self._entries[key] = Entry(key, parent, slot)
+        self._by_slot[slot] = key
         return e
 
     def ungrant(self, slot: int) -> bool:
@@ -209,6 +222,7 @@ class TierIndex:
                 else:
                     del self._kids[e.parent]
         if self.capacity is not None:
+            self._by_slot[e.slot] = None
             if self._serving[e.slot]:
                 self._free[e.slot] = None
             else:  # an early slot goes back to waiting for its population
@@ -246,6 +260,7 @@ class TierIndex:
         self._early.clear()
         self._granted.clear()
         self._serving = bytearray()
+        self._by_slot = []
         self.slots = self.capacity = 0
         self.leaving = 0
         return gone

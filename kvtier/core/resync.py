@@ -4,7 +4,7 @@ Redis can lose a block this node still holds: a restart without persistence, a f
 lost writes, or its own eviction. A cpu arena re-attached warm may also face a new, empty
 Redis. Nothing else writes such a block again (a put of a block the node holds stores nothing),
 so other nodes would never see it. Each round the daemon asks Redis about the next `n` local
-blocks (round robin over the gpu and cpu tiers) and, by what it answers:
+blocks (round robin over the slots of the gpu, cpu and disk tiers) and, by what it answers:
 - a block Redis holds is recorded as held there (after a warm restart nothing was);
 - a block Redis lacks is no longer believed to be there, so shedding writes it back rather than
   dropping it as clean; under write-through it is copied again at once (the frequency filter,
@@ -31,24 +31,48 @@ class RedisRecord(Protocol):
     def not_in_redis(self, key: BlockKey) -> None: ...
 
 
+SCAN_PER_KEY = 8  # slots a round may look at for each key it returns
+
+
 class ResyncSweep:
+    """Round robin over the node's local slots (the gpu, cpu and disk tiers' laid end to end),
+    from where the last round stopped. A round looks at no more than SCAN_PER_KEY slots a key
+    it may return, so its cost is bounded by `n`, never by the node's size: a walk of every
+    block each round held the daemon's loop for 0.8 s at a million blocks
+    (docs/performance.md, "Sixteenth stop")."""
+
     def __init__(self, placement: Placement, record: RedisRecord | None = None) -> None:
         self._p = placement
         self._record: RedisRecord = placement if record is None else record
-        self._next = 0  # where the next round starts, in the order of `_local()`
-
-    def _local(self) -> list[BlockKey]:
-        return list(dict.fromkeys(e.key for t in NODE for e in self._p.tiers[t].ready()))
+        self._next = 0  # the slot the next round starts at, counted across the local tiers
 
     def next_keys(self, n: int) -> list[BlockKey]:
-        """The next `n` local blocks to check (fewer when the node holds fewer)."""
-        local = self._local()
-        if not local:
+        """The next `n` local blocks to check: fewer when the node holds fewer, or when the
+        slots a round may look at hold fewer (a sparse node: the next round goes on from there)."""
+        tiers = [self._p.tiers[t] for t in NODE]
+        total = sum(idx.slots or 0 for idx in tiers)
+        if n <= 0 or not total:
             return []
-        start = self._next % len(local)
-        batch = [local[(start + i) % len(local)] for i in range(min(n, len(local)))]
-        self._next = start + len(batch)
-        return batch
+        out: dict[BlockKey, None] = {}  # a block in two tiers is checked once
+        pos = self._next % total
+        left = min(total, SCAN_PER_KEY * n)  # slots this round may still look at
+        while left > 0 and len(out) < n:
+            base = 0
+            for idx in tiers:  # the tier holding slot `pos` (of the concatenation)
+                size = idx.slots or 0
+                if pos < base + size:
+                    break
+                base += size
+            end = min(base + size, pos + left)
+            for slot, key in idx.ready_in_slots(pos - base, end - base):
+                out[key] = None
+                if len(out) == n:
+                    end = base + slot + 1
+                    break
+            left -= end - pos
+            pos = end % total
+        self._next = pos
+        return list(out)
 
     def answered(self, held: dict[BlockKey, bool]) -> list[Copy]:
         """Redis's answer for each key checked: record it, and the copies it calls for."""
