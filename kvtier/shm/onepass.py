@@ -46,6 +46,8 @@ PIECE = 256 << 10
 
 # Whether block copies run compiled (kvtier/shm/native/copy_hash.c) or in numpy and python-xxhash.
 COMPILED: bool = _copy_hash is not None
+# xxh3's kernel in the compiled copy: "avx2" where the CPU has it, else "baseline" (SSE2 on x86-64).
+HASH_KERNEL: str = getattr(_copy_hash, "HASH_KERNEL", "baseline") if COMPILED else "python-xxhash"
 
 
 def checksum(data: HashInput) -> int:

@@ -248,3 +248,56 @@ def test_key_tags_refuse_keys_and_checksums_that_do_not_pair() -> None:
         compiled.key_tags(bytes(33), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))
     with pytest.raises(ValueError, match="key_tags: tags must hold 1"):
         compiled.key_tags(bytes(32), np.zeros(1, dtype=np.uint64), np.zeros(2, dtype=np.uint64))
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
+def test_the_avx2_kernel_runs_where_the_cpu_has_it() -> None:
+    """xxh3's AVX2 kernel is picked at import (copy_hash.c `hash_update`); this test process runs
+    it wherever the CPU has AVX2, so every digest test above checked it against python-xxhash."""
+    assert compiled is not None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert compiled.HASH_KERNEL == "baseline"
+        return
+    assert compiled.HASH_KERNEL == ("avx2" if _cpu_has_avx2() else "baseline")
+    assert onepass.HASH_KERNEL == compiled.HASH_KERNEL
+
+
+BASELINE_CHECK = """
+import numpy as np, xxhash
+from kvtier.shm import onepass
+from kvtier.shm.onepass import checksum_stream, copy_hashed, copy_rows
+assert onepass.HASH_KERNEL == "baseline", onepass.HASH_KERNEL
+rng = np.random.default_rng(7)
+for n in [0, 1, 63, 64, 240, 241, 8191, 8192, 8193, 32768, 65536 + 24, 300_001]:
+    src = rng.integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    assert copy_hashed(dst, src) == xxhash.xxh3_64_intdigest(src.tobytes()) and np.array_equal(dst, src), n
+    h = checksum_stream()
+    h.copy_hashed(dst[:n // 3], src[:n // 3]); h.update(src[n // 3:])
+    assert h.intdigest() == xxhash.xxh3_64_intdigest(src.tobytes()), n
+rows = rng.integers(0, 256, (4, 70_000), dtype=np.uint8)
+out = np.zeros_like(rows)
+sums = copy_rows(out, np.arange(4), rows, np.arange(4), 70_000)
+assert [int(s) for s in sums] == [xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows] and np.array_equal(out, rows)
+print("baseline ok")
+"""
+
+
+def test_the_baseline_kernel_gives_the_same_digests() -> None:
+    """KVTIER_HASH_KERNEL=baseline keeps the SSE2 kernel (read at import, so in a process of its
+    own): the kernel every non-AVX2 x86-64 runs, checked here against python-xxhash too."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVTIER_HASH_KERNEL": "baseline"}
+    done = subprocess.run([sys.executable, "-c", BASELINE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "baseline ok" in done.stdout, done.stderr[-2000:]

@@ -21,10 +21,34 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* xxh3's AVX2 kernels are built beside its SSE2 ones and picked at import where the CPU has
+   AVX2 (`hash_update`), as xxHash's own xxh_x86dispatch.c does: the package is built once, for
+   the baseline, and runs on any x86-64. Same digest either way. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#define HAVE_AVX2_KERNEL 1
+#else
+#define HAVE_AVX2_KERNEL 0
+#endif
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+
+typedef XXH_errorcode (*update_fn)(XXH3_state_t *, const void *, size_t);
+
+#if HAVE_AVX2_KERNEL
+XXH_TARGET_AVX2 static XXH_errorcode update_avx2(XXH3_state_t *state, const void *input, size_t len) {
+    return XXH3_update(state, (const xxh_u8 *)input, len, XXH3_accumulate_avx2, XXH3_scrambleAcc_avx2);
+}
+#endif
+
+/* Set once, at module init, before any thread can call it. */
+static update_fn hash_update = XXH3_64bits_update;
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -88,7 +112,7 @@ static void copy_update(XXH3_state_t *state, char *dst, const char *src, size_t 
         /* The compiler may not fold the two copies into src -> dst (a second read of src). */
         __asm__ volatile("" ::: "memory");
         memcpy(dst + off + done, bounce + done, len - done);
-        XXH3_64bits_update(state, bounce, len);
+        hash_update(state, bounce, len);
         off += len;
     }
     /* The payload before anything written after it (the header's even gen): an sfence for the
@@ -352,7 +376,7 @@ static PyObject *stream_update(Stream *self, PyObject *arg) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    XXH3_64bits_update(self->state, b.buf, (size_t)b.len);
+    hash_update(self->state, b.buf, (size_t)b.len);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     PyBuffer_Release(&b);
@@ -402,6 +426,14 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__copy_hash(void) {
+    int avx2 = 0;
+#if HAVE_AVX2_KERNEL
+    __builtin_cpu_init();
+    /* KVTIER_HASH_KERNEL=baseline keeps SSE2: to compare the two, and to test it on an AVX2 host. */
+    const char *want = getenv("KVTIER_HASH_KERNEL");
+    avx2 = __builtin_cpu_supports("avx2") != 0 && !(want != NULL && strcmp(want, "baseline") == 0);
+    if (avx2) hash_update = update_avx2;
+#endif
     if (PyType_Ready(&StreamType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -412,7 +444,8 @@ PyMODINIT_FUNC PyInit__copy_hash(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "STREAMS", HAVE_STREAM) < 0 || PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0
-        || PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN) < 0) {
+        || PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN) < 0
+        || PyModule_AddStringConstant(m, "HASH_KERNEL", avx2 ? "avx2" : "baseline") < 0) {
         Py_DECREF(m);
         return NULL;
     }
