@@ -22,9 +22,10 @@ DIR_MAGIC = b"KVTDIR01"
 _HEAD = struct.Struct("<8sQ32s")
 # used, gpu slot, cpu slot, flags, key, disk slot (in what were 16 pad bytes: the entry size is unchanged)
 _ENTRY = struct.Struct("<IiiI32si12x")
-_USED = struct.Struct("<I")  # an entry's first field alone: an insert's probe reads no more
 ENTRY_OFF = 4096
 ENTRY_BYTES = _ENTRY.size
+_WORDS = ENTRY_BYTES // 4  # an entry's size in u32 words: its `used` word is the first
+KEY_BYTES = 32
 NO_SLOT = -1
 IN_REDIS = 1  # flags bit: the daemon wrote this block to Redis
 _COLUMN = (0, 1, 3)  # a tier's index (gpu 0, cpu 1, disk 2) -> its place in a row [gpu, cpu, flags, disk]
@@ -131,31 +132,36 @@ class DirectoryWriter(DirectoryReader):
 
     def set_slots(self, tier_index: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """`set_slot` for each key of a batch, in order: one call, with the insert's probe inline
-        (a put of small blocks lists thousands a second)."""
+        (a put of small blocks lists thousands a second): the homes taken for the batch at once,
+        and a bucket's `used` word read through a view of the table, not unpacked."""
         col = _COLUMN[tier_index]
         rows, where, mask, buf = self._rows, self._where, self._mask, self.seg.buf
-        used, pack = _USED.unpack_from, _ENTRY.pack_into
-        for key, slot in zip(keys, slots):
-            row = rows.get(key)
-            if row is None:
-                if slot == NO_SLOT:
-                    continue
-                if len(where) >= self.capacity - 1:
-                    raise SegmentError("directory is full")  # cannot happen: capacity >= 2 x slots
-                row = [NO_SLOT, NO_SLOT, 0, NO_SLOT]
-                row[col] = slot
-                i = _home(key, mask)  # linear probing from the key's home bucket
-                while used(buf, ENTRY_OFF + i * ENTRY_BYTES)[0]:
-                    i = (i + 1) & mask
-                where[key] = i
-                rows[key] = row
-            else:
-                row[col] = slot
-                if row[0] == NO_SLOT and row[1] == NO_SLOT and row[3] == NO_SLOT:
-                    self._delete(key)
-                    continue
-                i = where[key]
-            pack(buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key, row[3])
+        pack = _ENTRY.pack_into
+        joined = b"".join(keys)
+        if len(joined) != KEY_BYTES * len(keys):
+            raise ValueError(f"directory keys are {KEY_BYTES} bytes")
+        homes = (np.frombuffer(joined, dtype="<u8")[::KEY_BYTES // 8] & mask).tolist()  # _home of each
+        with buf[ENTRY_OFF:ENTRY_OFF + self.capacity * ENTRY_BYTES].cast("I") as used:  # entry i's at i * _WORDS
+            for key, slot, i in zip(keys, slots, homes):
+                row = rows.get(key)
+                if row is None:
+                    if slot == NO_SLOT:
+                        continue
+                    if len(where) >= self.capacity - 1:
+                        raise SegmentError("directory is full")  # cannot happen: capacity >= 2 x slots
+                    row = [NO_SLOT, NO_SLOT, 0, NO_SLOT]
+                    row[col] = slot
+                    while used[i * _WORDS]:  # linear probing from the key's home bucket
+                        i = (i + 1) & mask
+                    where[key] = i
+                    rows[key] = row
+                else:
+                    row[col] = slot
+                    if row[0] == NO_SLOT and row[1] == NO_SLOT and row[3] == NO_SLOT:
+                        self._delete(key)
+                        continue
+                    i = where[key]
+                pack(buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key, row[3])
 
     def set_flag(self, key: bytes, flag: int, on: bool) -> None:
         row = self._rows.get(key)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvtier.shm.onepass import COMPILED
+from kvtier.shm.onepass import COMPILED, HASH_KERNEL
 from kvtier.tools.bench_arena import rows as arena_table
 
 
@@ -106,10 +106,11 @@ def idle_note(rows: list[dict], load: float, cores: int) -> str:
     return note
 
 
-def copy_note(compiled: bool) -> str:
+def copy_note(compiled: bool, kernel: str = "baseline") -> str:
     """Which block copy the shm rows ran: the figures differ by up to 1.5x between the two."""
     if compiled:
-        return "Block copies: compiled (kvtier/shm/native/copy_hash.c: non-temporal stores, the GIL released)."
+        return ("Block copies: compiled (kvtier/shm/native/copy_hash.c: non-temporal stores, the GIL released; "
+                f"xxh3's {kernel} kernel).")
     return ("Block copies: numpy and python-xxhash: kvtier.shm._copy_hash did not build on this install "
             "(it needs a C compiler and Python's headers), so the shm rows run slower than they can.")
 
@@ -117,9 +118,10 @@ def copy_note(compiled: bool) -> str:
 def finish(out: dict, table: str, json_path: str | None, correct: bool) -> int:
     """Print the table, write the JSON, and fail the run if any path read wrong bytes."""
     out["compiled_copy"] = COMPILED
+    out["hash_kernel"] = HASH_KERNEL
     print(table)
     print(idle_note(out.get("rows", []), os.getloadavg()[0], os.cpu_count() or 1))
-    print(copy_note(COMPILED))
+    print(copy_note(COMPILED, HASH_KERNEL))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
     if not correct:

@@ -42,6 +42,7 @@ def test_bench_quick_reads_back_exact_bytes_on_every_path(tmp_path: Path) -> Non
     assert "need an otherwise idle machine (load average now" in run.stdout  # issue 25: say so in the output
     # Which block copy the shm rows ran (the compiled one, in this project's venvs).
     assert res["compiled_copy"] is True and "Block copies: compiled" in run.stdout
+    assert res["hash_kernel"] in ("avx2", "baseline") and f"xxh3's {res['hash_kernel']} kernel" in run.stdout
     missed = sum(r["meets"] is False for r in res["rows"])
     assert (f"{missed} row(s) marked NO" in run.stdout) == bool(missed)
     assert not leftovers, f"the bench left {leftovers} (kvtier-notify-*, runtime or redis directories)"
