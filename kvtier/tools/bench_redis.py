@@ -106,7 +106,7 @@ async def redis_tier_vs_raw(url: str, layout: dict, n: int, repeat: int, make_cl
     from kvtier.layout import BlockLayout
     from kvtier.shm.slots import checksum
     from kvtier.store.redis_blocks import CONNECTIONS as TIER_CONNECTIONS
-    from kvtier.store.redis_blocks import PIPELINE_BYTES, RedisBlocks
+    from kvtier.store.redis_blocks import PIPELINE_BYTES, WRITE_PIPELINE_BYTES, RedisBlocks
 
     lay = BlockLayout(**layout)
     bb = lay.block_bytes
@@ -152,7 +152,8 @@ async def redis_tier_vs_raw(url: str, layout: dict, n: int, repeat: int, make_cl
         return {"put_gbps": moved / t_put / GB, "get_gbps": moved / t_get / GB,
                 "raw_put_gbps": raw_set["gbps"], "raw_get_gbps": raw_get["gbps"],
                 "raw_put_shape": raw_set, "raw_get_shape": raw_get, "correct": ok,
-                "tier_shape": {"pipeline_bytes": PIPELINE_BYTES, "connections": TIER_CONNECTIONS}}
+                "tier_shape": {"pipeline_bytes": PIPELINE_BYTES, "write_pipeline_bytes": WRITE_PIPELINE_BYTES,
+                               "connections": TIER_CONNECTIONS}}
     finally:
         await client.aclose()
         await raw.aclose()
