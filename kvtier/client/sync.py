@@ -133,6 +133,10 @@ class SyncClient:
         return self._call(self._client.put_with(pool, keys, fill, parent=parent, token_ids=token_ids,
                                                 wait_s=wait_s, tenant=tenant), timeout)
 
+    def prepare_puts(self, pool: str, *, timeout: float | None = None) -> None:
+        """Client.prepare_puts."""
+        self._call(self._client.prepare_puts(pool), timeout)
+
     def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None,
                  timeout: float | None = None) -> None:
         self._call(self._client.prefetch(pool, keys, parent=parent), timeout)

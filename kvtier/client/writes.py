@@ -182,6 +182,21 @@ class ClientWrites:
             raise
         return len(staged)
 
+    async def prepare_puts(self, pool: str) -> None:
+        """Ready this client to put into `pool`: its staging segment is made now and the daemon
+        is asked to grant it cpu slots, so that its first put writes its blocks straight into
+        their final slots (one pass) rather than staging them (two) or dropping what its staging
+        slots cannot hold. For an engine worker at start: without it the daemon learns of the
+        segment from the first put. The grants come as the daemon handles the request (a few
+        milliseconds); an idle client keeps them until it puts, closes or dies. RedisUnavailable
+        when the request cannot be sent."""
+        p = self.pool(pool)
+        w = p.stager()
+        try:
+            await self._publisher.publish_many([(self._client_stream, Put(p.name, w.seg.name, ()))])
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"prepare_puts for {pool!r} not sent: {type(e).__name__}: {e}") from e
+
     async def prefetch(self, pool: str, keys: Sequence[bytes], *, parent: bytes | None = None) -> None:
         """Ask the daemon to bring these blocks (a chain) into the cpu tier, e.g. from Redis.
         Read reports still pending go first, in the same round trip (AccessReports.take).

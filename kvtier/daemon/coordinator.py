@@ -111,7 +111,7 @@ class Coordinator:
         self._cmds.extend(cmds)
         self._touched.add(rt.name)
         self.applied.handled(d.envelope)
-        if isinstance(ev, Put) and self.granted_puts is not None and ev.blocks and ev.blocks[0].granted:
+        if isinstance(ev, Put) and self.granted_puts is not None and (not ev.blocks or ev.blocks[0].granted):
             # The client's ring refilled now, not at the batch's end: a client puts ahead of the
             # daemon, and a batch of several puts would leave it to stage (copied twice) meanwhile.
             self._in_process(await self.granted_puts.top_up())
@@ -185,6 +185,10 @@ class Coordinator:
         self.log.debug("coordinator.commands", n=len(cmds))
 
     def _put(self, rt: PoolRuntime, ev: Put) -> list[Sent]:
+        if not ev.blocks:  # a client about to put (Client.prepare_puts): its segment is granted slots now
+            if self.grants is not None:
+                self.grants.want(rt.name, ev.segment)
+            return []
         rt.counters.puts += len(ev.blocks)
         if ev.tokens is not None and self.on_tokens is not None:
             self.on_tokens(rt.name, [b.key for b in ev.blocks], ev.tokens)

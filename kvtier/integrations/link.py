@@ -58,8 +58,9 @@ class EngineLink:
                  retry_s: float = 1.0, staging_blocks: int = 32, connect_timeout_s: float = 5.0,
                  socket_timeout_s: float = 2.0, call_timeout_s: float = 5.0, remote_timeout_s: float | None = None,
                  watch_s: float = WATCH_S, mismatch_retry_s: float = MISMATCH_RETRY_S,
-                 stored_flush_s: float = STORED_FLUSH_S, component: str = "kvtier") -> None:
+                 stored_flush_s: float = STORED_FLUSH_S, component: str = "kvtier", puts: bool = True) -> None:
         self._spec = spec
+        self._puts = puts  # the engine saves blocks: each connection asks for grants at once (prepare_puts)
         self.counters = counters
         self.log = log
         self.quiet = LogThrottle(log)
@@ -192,6 +193,11 @@ class EngineLink:
         self.mismatch = ""
         if old is not None:
             self._close_quietly(old)
+        if self._puts:  # the first save then writes its blocks into their final slots (one pass)
+            try:
+                c.prepare_puts(self.spec.name, timeout=self.call_timeout_s)
+            except Exception as e:  # noqa: BLE001 - only a head start: the first put asks again
+                self.failed("prepare_puts", e)
         self.log.info(f"{self._component}.connected", node=c.node, pool=self.spec.name)
         return c
 

@@ -50,6 +50,13 @@ class GrantRing:
     def epoch(self) -> int:
         return int(self._words[2])
 
+    def waiting(self) -> int:
+        """Grants in the ring not taken yet (0 when the words make no sense): for a caller
+        waiting for the daemon's first grants (Client.prepare_puts)."""
+        words = self._words
+        n = int(words[1]) - max(int(words[3]), int(words[0]))  # head - tail, from this daemon's base on
+        return n if 0 < n <= RING else 0
+
     def take(self, known_epoch: int) -> tuple[int, list[int], bool]:
         """(epoch, slots granted since the last take, whether the epoch changed since
         `known_epoch`: then the caller drops what it held, which the old daemon granted)."""

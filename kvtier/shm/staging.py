@@ -109,6 +109,10 @@ class StagingWriter:
             parent = key
         return taken
 
+    def grants_waiting(self) -> int:
+        """Grants the daemon pushed that no put has taken yet, plus those taken and unused."""
+        return self._ring.waiting() + len(self._grants)
+
     def _take_grants(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[StagedBlock]:
         """Granted arena slots for the leading keys, as many as this client holds."""
         if self.arena is None:

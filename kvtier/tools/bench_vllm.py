@@ -61,7 +61,7 @@ def connector_rows(env: Env, layout: dict, n: int, rounds: int, out: dict) -> No
     ns = KeyNamespace(layout["model"], '{"weights":"operator:bench"}', "bench", bs, layout["layers"],
                       layout["kv_heads"], layout["head_dim"], layout["dtype"], "bench", "cpu")
     settings = ConnectorSettings(pool="b", runtime_dir=str(env.rdir), staging_blocks=n, call_timeout_s=120)
-    link = connector_link(settings.pool, settings.runtime_dir, n, settings.retry_s, settings.call_timeout_s)
+    link = connector_link(settings.pool, settings.runtime_dir, n, settings.retry_s, settings.call_timeout_s, puts=True)
     mover = WorkerMover(settings, ns, link, (0, 1), (0, 1), [list(caches)])
     mover.register(caches)
     deadline = time.monotonic() + 30  # the link's own thread connects: wait for it, as an engine would not

@@ -55,7 +55,7 @@ def parts(daemon_factory):
     d = daemon_factory(pools_toml=pool_toml("hy", {"model": "m", "layers": 1, "kv_heads": HEADS, "head_dim": DIM,
                                                   "block_tokens": BS, "dtype": DTYPE}, "cpu", 0, 64))
     settings = ConnectorSettings(pool="hy", runtime_dir=str(d.runtime_dir), )
-    link = connector_link("hy", settings.runtime_dir, 16, 0.2, 5.0)
+    link = connector_link("hy", settings.runtime_dir, 16, 0.2, 5.0, puts=True)
     caches = {name: torch.empty((40, 2, HEADS, BS, DIM), dtype=torch.float8_e4m3fn) for name in ("l0", "l1")}
     for c in caches.values():
         c.view(torch.uint8).random_(0, 120)  # finite fp8 values

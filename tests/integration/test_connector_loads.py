@@ -52,7 +52,7 @@ class Node:
     def __init__(self, daemon, **settings) -> None:
         self.d = daemon
         self.settings = ConnectorSettings(pool="p", runtime_dir=str(daemon.runtime_dir), **settings)
-        self.link = connector_link("p", self.settings.runtime_dir, 16, 0.2, 5.0)
+        self.link = connector_link("p", self.settings.runtime_dir, 16, 0.2, 5.0, puts=True)
         self.caches = {f"l{i}": torch.zeros((40, 2, HEADS, BS, DIM), dtype=torch.float16) for i in range(2)}
         self.mover = WorkerMover(self.settings, NS_, self.link, (0, 1), (0, 1), [["l0", "l1"]])
         self.mover.register(self.caches)

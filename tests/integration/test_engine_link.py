@@ -212,3 +212,24 @@ def test_a_descriptor_of_another_release_is_one_clear_error(daemon_factory):
     write_json_atomic(path, good)
     with SyncClient(d.runtime_dir) as c:
         assert c.node == good["node"] and c.prefix_index is False
+
+
+@pytest.mark.parametrize("puts", [True, False], ids=["saves", "loads-only"])
+def test_a_link_that_saves_asks_for_grants_as_it_connects(daemon_factory, puts):
+    """An engine that saves (the link's `puts`, a producer's vLLM worker) is granted cpu slots as
+    it connects (Client.prepare_puts), so its first save is one pass; one that only loads makes
+    no staging segment and holds no grants, which would sit idle in the arena."""
+    d = daemon_factory(cpu=256)
+    link = link_for(d.runtime_dir, puts=puts).start(wait_s=30)
+    try:
+        c = link.client()
+        assert c is not None
+        pool = c.pool("t")
+        if puts:
+            wait_until(lambda: pool.staging is not None and pool.staging.grants_waiting() > 0, timeout=10,
+                       message="the daemon granted the saving link's segment slots")
+        else:
+            assert pool.staging is None, "a loading link makes no staging segment"
+        assert link.counters.snapshot()["errors"] == 0
+    finally:
+        link.close()

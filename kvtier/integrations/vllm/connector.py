@@ -148,7 +148,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(cfg.kv_connector_extra_config)
         self._link = connector_link(settings.pool, settings.runtime_dir, settings.staging_blocks, settings.retry_s,
-                                    settings.call_timeout_s)
+                                    settings.call_timeout_s,
+                                    puts=role != KVConnectorRole.SCHEDULER and cfg.is_kv_producer)
         self._planner: SchedulerPlanner | None = None
         self._mover: WorkerMover | None = None
         self._load_errors: set[int] = set()

@@ -79,10 +79,11 @@ class VllmLog:
 
 
 def connector_link(pool: str, runtime_dir: str | None, staging_blocks: int, retry_s: float,
-                   call_timeout_s: float) -> EngineLink:
+                   call_timeout_s: float, *, puts: bool) -> EngineLink:
     """The link for one connector half: the pool is checked by name until the worker knows its
-    pages (WorkerMover.register sets the full spec)."""
+    pages (WorkerMover.register sets the full spec). `puts`: the half saves blocks (a producer's
+    worker), so each connection asks the daemon for grants at once (Client.prepare_puts)."""
     return EngineLink(runtime_dir=runtime_dir, spec=PoolSpec(pool),
                       counters=Counters(LINK_COUNTERS + CONNECTOR_COUNTERS), log=VllmLog(), retry_s=retry_s,
                       staging_blocks=staging_blocks, connect_timeout_s=10.0, call_timeout_s=call_timeout_s,
-                      component="vllm_connector").start(wait_s=FIRST_CONNECT_WAIT_S)
+                      component="vllm_connector", puts=puts).start(wait_s=FIRST_CONNECT_WAIT_S)
