@@ -105,12 +105,12 @@ class DirectoryReader:
 
 
 class DirectoryWriter(DirectoryReader):
-    """Daemon side. Single writer; keeps `self._where` (key -> bucket) in step with the table."""
+    """Daemon side. Single writer; keeps `self._rows` (key -> its row and bucket) in step with the table."""
 
     def __init__(self, seg: ShmSegment) -> None:
         super().__init__(seg)
-        self._where: dict[bytes, int] = {}
-        self._rows: dict[bytes, list[int]] = {}  # key -> [gpu, cpu, flags, disk]
+        # key -> [gpu, cpu, flags, disk, bucket]: one dict, as a put inserts thousands of keys a second
+        self._rows: dict[bytes, list[int]] = {}
 
     @classmethod
     def create(cls, seg: ShmSegment, capacity: int, fingerprint: bytes) -> DirectoryWriter:
@@ -120,7 +120,7 @@ class DirectoryWriter(DirectoryReader):
         return cls(seg)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._rows)
 
     def get(self, key: bytes) -> tuple[int, int, int, int] | None:
         row = self._rows.get(key)
@@ -135,7 +135,7 @@ class DirectoryWriter(DirectoryReader):
         (a put of small blocks lists thousands a second): the homes taken for the batch at once,
         and a bucket's `used` word read through a view of the table, not unpacked."""
         col = _COLUMN[tier_index]
-        rows, where, mask, buf = self._rows, self._where, self._mask, self.seg.buf
+        rows, mask, buf = self._rows, self._mask, self.seg.buf
         pack = _ENTRY.pack_into
         joined = b"".join(keys)
         if len(joined) != KEY_BYTES * len(keys):
@@ -147,20 +147,19 @@ class DirectoryWriter(DirectoryReader):
                 if row is None:
                     if slot == NO_SLOT:
                         continue
-                    if len(where) >= self.capacity - 1:
+                    if len(rows) >= self.capacity - 1:
                         raise SegmentError("directory is full")  # cannot happen: capacity >= 2 x slots
-                    row = [NO_SLOT, NO_SLOT, 0, NO_SLOT]
-                    row[col] = slot
                     while used[i * _WORDS]:  # linear probing from the key's home bucket
                         i = (i + 1) & mask
-                    where[key] = i
+                    row = [NO_SLOT, NO_SLOT, 0, NO_SLOT, i]
+                    row[col] = slot
                     rows[key] = row
                 else:
                     row[col] = slot
                     if row[0] == NO_SLOT and row[1] == NO_SLOT and row[3] == NO_SLOT:
                         self._delete(key)
                         continue
-                    i = where[key]
+                    i = row[4]
                 pack(buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key, row[3])
 
     def set_flag(self, key: bytes, flag: int, on: bool) -> None:
@@ -170,18 +169,17 @@ class DirectoryWriter(DirectoryReader):
         row[2] = (row[2] | flag) if on else (row[2] & ~flag)
         self._store(key, row)
 
-    def _store(self, key: bytes, row: list[int]) -> None:
+    def _store(self, key: bytes, row: list[int]) -> None:  # row: [gpu, cpu, flags, disk, bucket]
         if row[0] == NO_SLOT and row[1] == NO_SLOT and row[3] == NO_SLOT:
             self._delete(key)
         else:
-            self._write(self._where[key], key, row)
+            self._write(row[4], key, row)
 
     def _write(self, i: int, key: bytes, row: list[int]) -> None:
         _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 1, row[0], row[1], row[2], key, row[3])
 
     def _delete(self, key: bytes) -> None:
-        i = self._where.pop(key)
-        del self._rows[key]
+        i = self._rows.pop(key)[4]
         mask = self._mask
         j = i
         while True:
@@ -194,7 +192,8 @@ class DirectoryWriter(DirectoryReader):
             stays = (i < h <= j) if i <= j else (h > i or h <= j)
             if stays:
                 continue
-            self._write(i, kj, self._rows[kj])
-            self._where[kj] = i
+            moved = self._rows[kj]
+            self._write(i, kj, moved)
+            moved[4] = i
             i = j
         _ENTRY.pack_into(self.seg.buf, ENTRY_OFF + i * ENTRY_BYTES, 0, NO_SLOT, NO_SLOT, 0, bytes(32), NO_SLOT)

@@ -408,3 +408,34 @@ def test_reserve_allocates_every_page_up_front(new_seg) -> None:
     assert os.stat(SHM / eager.name).st_blocks * 512 >= 8 << 20
     eager.buf[:4] = b"kvtr"
     assert bytes(eager.buf[:4]) == b"kvtr"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2]),
+                          st.lists(st.tuples(st.integers(0, 39), st.integers(-1, 9)), max_size=12)), max_size=30))
+def test_directory_batches_match_a_dict_model(batches) -> None:
+    """`set_slots` (a put's or an eviction's batch, keys repeated within it too) leaves what the
+    same updates one key at a time would: the homes taken at once and the in-row bucket kept
+    through the backward shifts of deletes."""
+    keys = [hkey(h, i) for i, h in enumerate([0, 1, 2, 61, 62, 63, 5, 30] * 5)]
+    seg = ShmSegment.create(f"{PREFIX}{uuid.uuid4().hex[:6]}", directory_bytes(64))
+    try:
+        w = DirectoryWriter.create(seg, 64, FP)
+        r = DirectoryReader(seg, FP)
+        model: dict[bytes, list[int]] = {}
+        for col, batch in batches:
+            w.set_slots(col, [keys[ki] for ki, _ in batch], [slot for _, slot in batch])
+            for ki, slot in batch:
+                key = keys[ki]
+                if key in model or slot != NO_SLOT:
+                    row = model.setdefault(key, [NO_SLOT, NO_SLOT, 0, NO_SLOT])
+                    row[(0, 1, 3)[col]] = slot
+                    if [row[0], row[1], row[3]] == [NO_SLOT] * 3:
+                        del model[key]
+            assert len(w) == len(model)
+            for key in keys:
+                want = tuple(model[key]) if key in model else None
+                assert r.find(key) == want and w.get(key) == want
+    finally:
+        seg.close()
+        seg.unlink()
