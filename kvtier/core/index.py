@@ -167,12 +167,21 @@ class TierIndex:
     def claim(self, slot: int, key: BlockKey, parent: BlockKey | None) -> Entry | None:
         """The granted `slot` holds `key` now: its PENDING entry. None (nothing changes) if the
         slot is not granted or `key` is here already."""
-        if slot not in self._granted or key in self._entries:
-            return None
-        self._granted.discard(slot)
-        e = self._entries[key] = Entry(key, parent, slot)
-        self._by_slot[slot] = key
-        return e
+        return self.claim_many(((slot, key, parent),))[0]
+
+    def claim_many(self, claims: Iterable[tuple[int, BlockKey, BlockKey | None]]) -> list[Entry | None]:
+        """`claim` for each (slot, key, parent) of a batch, in order: one call, not one a block."""
+        granted, entries, by_slot = self._granted, self._entries, self._by_slot
+        out: list[Entry | None] = []
+        for slot, key, parent in claims:
+            if slot not in granted or key in entries:
+                out.append(None)
+                continue
+            granted.discard(slot)
+            e = entries[key] = Entry(key, parent, slot)
+            by_slot[slot] = key
+            out.append(e)
+        return out
 
     def ungrant(self, slot: int) -> bool:
         """A granted slot comes back unused: free again. False if it was not granted."""

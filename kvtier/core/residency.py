@@ -127,8 +127,7 @@ class Residency:
 
     def claim_many(self, t: Tier, claims: Iterable[tuple[int, BlockKey, BlockKey | None]]) -> list[Entry | None]:
         """`claim` for each (slot, key, parent) of a batch, in order; its owners counted at once."""
-        idx = self.tiers[t]
-        got = [idx.claim(slot, key, parent) for slot, key, parent in claims]
+        got = self.tiers[t].claim_many(claims)
         if t in NODE:
             self.tenants.added_many(t, [e.key for e in got if e is not None])
         return got
