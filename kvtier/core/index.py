@@ -64,8 +64,8 @@ class TierIndex:
             self.capacity = 0
             self.bring_into_service(range(capacity) if in_service is None else in_service)
         self._entries: dict[BlockKey, Entry] = {}
-        # slot -> the key of its entry (PENDING or READY): lets a sweep walk a stretch of slots
-        # (`ready_in_slots`) where a walk of the LRU would visit every block (core/resync.py).
+        # slot -> the key of its entry (PENDING or READY), 8 bytes a slot: lets a sweep walk a
+        # stretch of slots (`ready_in_slots`) where a walk of the LRU visits every block (core/resync.py).
         self._by_slot: list[BlockKey | None] = [None] * (capacity or 0)
         self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # READY entries, coldest first
         # READY children per parent key, whether or not the parent is here yet, so a parent that

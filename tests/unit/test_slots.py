@@ -6,6 +6,7 @@ at the end that nothing with its prefix is left in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -361,15 +362,27 @@ def test_backward_shift_delete_across_the_wraparound(new_seg) -> None:
             assert r.find(key) == w.get(key) and r.find(key) is not None
 
 
+# 40 keys whose homes crowd a 64-bucket table: clusters, wrap-arounds and backward shifts
+MODEL_KEYS = [hkey(h, i) for i, h in enumerate([0, 1, 2, 61, 62, 63, 5, 30] * 5)]
+
+
+@contextlib.contextmanager
+def model_directory() -> Iterator[tuple[DirectoryWriter, DirectoryReader]]:
+    """A 64-bucket directory and its reader, on a segment of its own, for the model tests."""
+    seg = ShmSegment.create(f"{PREFIX}{uuid.uuid4().hex[:6]}", directory_bytes(64))
+    try:
+        yield DirectoryWriter.create(seg, 64, FP), DirectoryReader(seg, FP)
+    finally:
+        seg.close()
+        seg.unlink()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 39), st.sampled_from([0, 1, 2]), st.integers(-1, 9), st.booleans()),
                 max_size=120))
 def test_directory_matches_a_dict_model(ops) -> None:
-    keys = [hkey(h, i) for i, h in enumerate([0, 1, 2, 61, 62, 63, 5, 30] * 5)]
-    seg = ShmSegment.create(f"{PREFIX}{uuid.uuid4().hex[:6]}", directory_bytes(64))
-    try:
-        w = DirectoryWriter.create(seg, 64, FP)
-        r = DirectoryReader(seg, FP)
+    keys = MODEL_KEYS
+    with model_directory() as (w, r):
         model: dict[bytes, list[int]] = {}
         for ki, col, slot, flag in ops:
             key = keys[ki]
@@ -395,9 +408,6 @@ def test_directory_matches_a_dict_model(ops) -> None:
                 row = model.get(key)
                 cpu_only = row is not None and row[0] == NO_SLOT and row[1] != NO_SLOT
                 assert slot in ((row[1],) if cpu_only and probes == 64 else (NO_SLOT, row[1] if cpu_only else NO_SLOT))
-    finally:
-        seg.close()
-        seg.unlink()
 
 
 def test_reserve_allocates_every_page_up_front(new_seg) -> None:
@@ -417,11 +427,8 @@ def test_directory_batches_match_a_dict_model(batches) -> None:
     """`set_slots` (a put's or an eviction's batch, keys repeated within it too) leaves what the
     same updates one key at a time would: the homes taken at once and the in-row bucket kept
     through the backward shifts of deletes."""
-    keys = [hkey(h, i) for i, h in enumerate([0, 1, 2, 61, 62, 63, 5, 30] * 5)]
-    seg = ShmSegment.create(f"{PREFIX}{uuid.uuid4().hex[:6]}", directory_bytes(64))
-    try:
-        w = DirectoryWriter.create(seg, 64, FP)
-        r = DirectoryReader(seg, FP)
+    keys = MODEL_KEYS
+    with model_directory() as (w, r):
         model: dict[bytes, list[int]] = {}
         for col, batch in batches:
             w.set_slots(col, [keys[ki] for ki, _ in batch], [slot for _, slot in batch])
@@ -436,6 +443,3 @@ def test_directory_batches_match_a_dict_model(batches) -> None:
             for key in keys:
                 want = tuple(model[key]) if key in model else None
                 assert r.find(key) == want and w.get(key) == want
-    finally:
-        seg.close()
-        seg.unlink()
