@@ -74,8 +74,8 @@ class RedisConfig:
     # 8 MiB shape read 0.73x (median of 9 rounds), 16 MiB 0.96x, while reads were fastest at 8 MiB
     # (docs/performance.md, "Sixteenth stop").
     write_pipeline_bytes: int = setting(size(), 16 << 20)
-    # Re-replication (core/resync.py): every resync_interval_s, ask Redis about this many local
-    # blocks per pool and write again the ones it lost. 0 turns the sweep off.
+    # Re-replication (core/resync.py): every resync_interval_s, ask Redis about up to this many
+    # local blocks per pool and write again the ones it lost. 0 turns the sweep off.
     resync_interval_s: float = setting(number(gt=0), 10.0)
     resync_keys: int = setting(integer(0), 1024)
 

@@ -31,15 +31,20 @@ class RedisRecord(Protocol):
     def not_in_redis(self, key: BlockKey) -> None: ...
 
 
-SCAN_PER_KEY = 8  # slots a round may look at for each key it returns
+# A round of n keys looks at no more than this many slots a key (SCAN_PER_KEY x n in all): its
+# cost bounded by n, and a sparse node still covered in (its slots / (SCAN_PER_KEY x n)) rounds.
+SCAN_PER_KEY = 64
+STRETCH = 256  # the fewest slots one look takes: a round needing few more keys still moves on in strides
 
 
 class ResyncSweep:
     """Round robin over the node's local slots (the gpu, cpu and disk tiers' laid end to end),
-    from where the last round stopped. A round looks at no more than SCAN_PER_KEY slots a key
-    it may return, so its cost is bounded by `n`, never by the node's size: a walk of every
-    block each round held the daemon's loop for 0.8 s at a million blocks
-    (docs/performance.md, "Sixteenth stop")."""
+    from where the last round stopped. A round of `n` keys looks at no more than SCAN_PER_KEY x n
+    slots, so its cost is bounded by `n`, never by the node's size: a walk of every block each
+    round held the daemon's loop for 0.8 s at a million blocks (docs/performance.md, "Sixteenth
+    stop"). A pass covers a full node in (its blocks / n) rounds, a sparse one in (its slots /
+    (SCAN_PER_KEY x n)); a block held in two tiers is checked once a round, and once for each
+    tier a pass."""
 
     def __init__(self, placement: Placement, record: RedisRecord | None = None) -> None:
         self._p = placement
@@ -63,7 +68,9 @@ class ResyncSweep:
                 if pos < base + size:
                     break
                 base += size
-            end = min(base + size, pos + left)
+            # A stretch of no more slots than keys still wanted: a full node's round looks at n
+            # slots, not at all it may (the list of a stretch is built whole).
+            end = min(base + size, pos + left, pos + max(n - len(out), STRETCH))
             for slot, key in idx.ready_in_slots(pos - base, end - base):
                 out[key] = None
                 if len(out) == n:

@@ -58,9 +58,11 @@ class EngineLink:
                  retry_s: float = 1.0, staging_blocks: int = 32, connect_timeout_s: float = 5.0,
                  socket_timeout_s: float = 2.0, call_timeout_s: float = 5.0, remote_timeout_s: float | None = None,
                  watch_s: float = WATCH_S, mismatch_retry_s: float = MISMATCH_RETRY_S,
-                 stored_flush_s: float = STORED_FLUSH_S, component: str = "kvtier", puts: bool = True) -> None:
+                 stored_flush_s: float = STORED_FLUSH_S, component: str = "kvtier", puts: bool = False) -> None:
         self._spec = spec
-        self._puts = puts  # the engine saves blocks: each connection asks for grants at once (prepare_puts)
+        # The engine saves blocks: each connection asks for grants at once (prepare_puts). Off by
+        # default: grants wait in a client's ring until it puts, so a loader's would sit idle.
+        self._puts = puts
         self.counters = counters
         self.log = log
         self.quiet = LogThrottle(log)

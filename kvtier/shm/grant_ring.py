@@ -51,8 +51,8 @@ class GrantRing:
         return int(self._words[2])
 
     def waiting(self) -> int:
-        """Grants in the ring not taken yet (0 when the words make no sense): for a caller
-        waiting for the daemon's first grants (Client.prepare_puts)."""
+        """Grants in the ring not taken yet (0 when the words make no sense): what
+        StagingWriter.grants_waiting reports, for a caller waiting for the daemon's first grants."""
         words = self._words
         n = int(words[1]) - max(int(words[3]), int(words[0]))  # head - tail, from this daemon's base on
         return n if 0 < n <= RING else 0

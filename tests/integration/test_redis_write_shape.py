@@ -8,12 +8,15 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 import structlog
 
 from kvtier.bus.connect import make_blocks_redis
 from kvtier.config.loader import load_config
 from kvtier.shm.slots import checksum
 from kvtier.store.redis_blocks import BLK_HDR, RedisBlocks
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 4096
 

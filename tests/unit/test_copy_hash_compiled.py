@@ -261,7 +261,12 @@ def _cpu_has_avx2() -> bool:
 def test_the_avx2_kernel_runs_where_the_cpu_has_it() -> None:
     """xxh3's AVX2 kernel is picked at import (copy_hash.c `hash_update`); this test process runs
     it wherever the CPU has AVX2, so every digest test above checked it against python-xxhash."""
+    import os
+
     assert compiled is not None
+    if os.environ.get("KVTIER_HASH_KERNEL") == "baseline":
+        assert compiled.HASH_KERNEL == "baseline", "the switch keeps SSE2"
+        return
     if platform.machine() not in ("x86_64", "AMD64"):
         assert compiled.HASH_KERNEL == "baseline"
         return
@@ -301,3 +306,48 @@ def test_the_baseline_kernel_gives_the_same_digests() -> None:
     done = subprocess.run([sys.executable, "-c", BASELINE_CHECK], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "baseline ok" in done.stdout, done.stderr[-2000:]
+
+
+UNOPTIMISED_CHECK = """
+import importlib.machinery, importlib.util, sys
+import numpy as np, xxhash
+loader = importlib.machinery.ExtensionFileLoader("_copy_hash", sys.argv[1])
+mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("_copy_hash", loader))
+loader.exec_module(mod)
+rng = np.random.default_rng(11)
+for n in [300_001, 65536, 8193, 241]:
+    src = rng.integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    want = xxhash.xxh3_64_intdigest(src.tobytes())
+    assert mod.copy_hashed(dst, src) == want and np.array_equal(dst, src), n
+    h = mod.Stream()
+    h.update(src[:n // 2]); h.update(src[n // 2:])
+    assert h.intdigest() == want, n
+print("kernel", mod.HASH_KERNEL)
+"""
+
+
+def test_the_kernels_hold_without_the_optimiser(tmp_path) -> None:
+    """copy_hash.c built at -O0, where the compiler keeps xxh3's functions apart and realigns no
+    stack: the AVX2 kernel's accumulators must be aligned by the source itself (XXH_ACC_ALIGN), or
+    it crashes (it did, in two runs of three, before they were)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    native = Path(onepass.__file__).parent / "native"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler builds the extension at install, so one is here"
+    out = tmp_path / f"_copy_hash{sysconfig.get_config_var('EXT_SUFFIX')}"
+    built = subprocess.run([cc, "-O0", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", f"-I{native}",
+                            str(native / "copy_hash.c"), "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_HASH_KERNEL"}
+    for _ in range(3):  # an unaligned vector store crashed two runs of three
+        done = subprocess.run([sys.executable, "-c", UNOPTIMISED_CHECK, str(out)], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert done.stdout.strip() == f"kernel {'avx2' if _cpu_has_avx2() else 'baseline'}"

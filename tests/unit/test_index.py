@@ -318,8 +318,11 @@ class IndexMachine(RuleBasedStateMachine):
         assert not set(slots) & set(idx._free) and not set(slots) & self.granted  # a slot has one owner
         assert not self.granted & set(idx._free)
         assert [e.key for e in idx.ready()] == self.lru
-        # The slot walk (core/resync.py's sweep) lists exactly the READY entries, by slot.
+        # The slot walk (core/resync.py's sweep) lists exactly the READY entries, by slot, from a
+        # map of every entry's slot, PENDING ones included.
         assert idx.ready_in_slots(0, CAPACITY) == sorted((idx.get(key).slot, key) for key in self.lru)
+        assert {s: key for s, key in enumerate(idx._by_slot) if key is not None} == \
+            {idx.get(key).slot: key for key in self.model}
         for key, m in self.model.items():
             e = idx.get(key)
             assert e.pins == m["pins"] >= 0 and e.leaving == m["leaving"]

@@ -79,3 +79,21 @@ def test_in_service_invariants(ops):
         assert idx.capacity == len(served) + len(early)
         assert set(idx._free) == served - set(held.values())
         assert len(set(held.values())) == len(held)
+
+
+def test_the_slot_walk_follows_restores_early_slots_removes_and_retire():
+    """`ready_in_slots` (the resync sweep's walk) on the paths the state machine does not take:
+    a warm restart's restores into given slots, some not in service yet, their removal, and a
+    tier retired."""
+    idx = TierIndex(8, in_service=range(4))
+    assert idx.add(k(1), None, slot=2) is not None  # in service
+    assert idx.add(k(2), None, slot=6) is not None  # early: its pages hold it before service
+    assert idx.reserve(k(3), None, slot=5) is not None  # early, PENDING: not listed
+    assert idx.ready_in_slots(0, 8) == [(2, k(1)), (6, k(2))]
+    assert idx.ready_in_slots(3, 7) == [(6, k(2))]
+    idx.remove(k(2))
+    assert idx.ready_in_slots(0, 8) == [(2, k(1))]
+    idx.commit(k(3))
+    assert idx.ready_in_slots(0, 8) == [(2, k(1)), (5, k(3))]
+    assert {e.key for e in idx.retire()} == {k(1), k(3)}
+    assert idx.ready_in_slots(0, 8) == []

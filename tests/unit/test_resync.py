@@ -44,9 +44,9 @@ def test_write_back_and_the_frequency_filter_copy_nothing_early() -> None:
 
 
 def test_a_round_looks_at_a_bounded_stretch_of_slots_and_the_rounds_cover_them_all() -> None:
-    """A round's cost is bounded by the keys it may return, not by the node's size (a walk of
-    every block each round held the daemon's loop for 0.8 s at a million blocks); a sparse node
-    is still covered, a stretch a round."""
+    """A round's cost is bounded by the keys it may return (SCAN_PER_KEY slots a key, in all), not
+    by the node's size (a walk of every block each round held the daemon's loop for 0.8 s at a
+    million blocks); a sparse node is still covered, a stretch a round."""
     from kvtier.core.resync import SCAN_PER_KEY
 
     p = placement(gpu=2, cpu=4000)
@@ -70,12 +70,13 @@ def test_a_round_looks_at_a_bounded_stretch_of_slots_and_the_rounds_cover_them_a
     seen: set[bytes] = set()
     rounds = 0
     while seen != keep | {k(1)}:
+        scanned.clear()
         got = sweep.next_keys(2)
         assert len(got) <= 2 and len(set(got)) == len(got)
+        assert sum(scanned) <= SCAN_PER_KEY * 2, f"a round looked at {sum(scanned)} cpu slots for 2 keys"
         seen.update(got)
         rounds += 1
-        assert rounds <= 2 + (2 + 4000) // (SCAN_PER_KEY * 2), "every slot within total / (8 n) rounds, and a lap"
-    assert max(scanned) <= SCAN_PER_KEY * 2, "no round looks at more than 8 slots a key"
+        assert rounds <= 2 + (2 + 4000) // (SCAN_PER_KEY * 2), "every slot within slots / (SCAN_PER_KEY n) rounds"
 
 
 def test_a_block_in_two_tiers_is_checked_once_a_round() -> None:
@@ -84,3 +85,26 @@ def test_a_block_in_two_tiers_is_checked_once_a_round() -> None:
     put(p, Tier.CPU, [1, 3])  # k(1) is in both
     got = ResyncSweep(p).next_keys(8)
     assert sorted(got) == sorted({k(1), k(2), k(3)})
+
+
+def test_a_full_nodes_round_looks_at_about_as_many_slots_as_keys() -> None:
+    """On a full node a round's stretch is no longer than the keys still wanted (at least
+    STRETCH): a round of n keys builds the list of about n slots, not of SCAN_PER_KEY x n."""
+    from kvtier.core.resync import STRETCH
+
+    p = placement(gpu=0, cpu=4000)
+    put(p, Tier.CPU, list(range(4000)))
+    cpu = p.tiers[Tier.CPU]
+    scanned: list[int] = []
+    real = cpu.ready_in_slots
+
+    def counting(start: int, end: int) -> list:
+        scanned.append(end - start)
+        return real(start, end)
+
+    cpu.ready_in_slots = counting  # type: ignore[method-assign]
+    sweep = ResyncSweep(p)
+    for n in (1000, 10):
+        scanned.clear()
+        assert len(sweep.next_keys(n)) == n
+        assert sum(scanned) <= max(n, STRETCH), (n, scanned)

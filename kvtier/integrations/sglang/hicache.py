@@ -88,7 +88,8 @@ class KvtierHiCacheStorage(SidecarCalls, HiCacheStorage):
                                counters=self.counters, log=self.log, retry_s=st.retry_s,
                                staging_blocks=st.staging_blocks, connect_timeout_s=st.connect_timeout_s,
                                socket_timeout_s=st.call_timeout_s, call_timeout_s=st.call_timeout_s,
-                               remote_timeout_s=st.remote_timeout_s, component="sglang_hicache")
+                               remote_timeout_s=st.remote_timeout_s, component="sglang_hicache",
+                               puts=True)  # HiCache backs pages up through it
         self.link.start(first=True)  # a daemon that is down is not an error; a wrong pool is
 
     # --- geometry and keys -----------------------------------------------------------------------

@@ -67,7 +67,8 @@ class TierIO:
         self.link = EngineLink(runtime_dir=runtime_dir, spec=chunk_spec(pool, self.chunk_bytes),
                                counters=self.counters, log=self.log, retry_s=health_interval_s,
                                staging_blocks=staging_chunks, connect_timeout_s=connect_timeout_s,
-                               watch_s=min(health_interval_s, WATCH_S), component="vllm_tier")
+                               watch_s=min(health_interval_s, WATCH_S), component="vllm_tier",
+                               puts=True)  # the tier stores what vLLM offloads
         if entry is not None:
             self.link.register(entry)  # entered in the manifest on the first connection
         self.link.start(first=True)  # PoolMismatch (a ValueError) for a pool that cannot hold the chunks

@@ -31,6 +31,10 @@
 #include <immintrin.h>
 #define XXH_DISPATCH_AVX2 1
 #define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+/* The AVX2 kernel works on the accumulators as 32-byte vectors: they must be aligned for it, as
+   xxh_x86dispatch.c has them (an SSE2 build aligns them to 16 alone: a crash where the compiler
+   does not realign the stack, as at -O0). */
+#define XXH_ACC_ALIGN 64
 #define HAVE_AVX2_KERNEL 1
 #else
 #define HAVE_AVX2_KERNEL 0
