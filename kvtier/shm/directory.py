@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import SegmentError
+from kvtier.keys import KEY_BYTES
 from kvtier.shm.segment import ShmSegment
 
 DIR_MAGIC = b"KVTDIR01"
@@ -25,7 +26,6 @@ _ENTRY = struct.Struct("<IiiI32si12x")
 ENTRY_OFF = 4096
 ENTRY_BYTES = _ENTRY.size
 _WORDS = ENTRY_BYTES // 4  # an entry's size in u32 words: its `used` word is the first
-KEY_BYTES = 32
 NO_SLOT = -1
 IN_REDIS = 1  # flags bit: the daemon wrote this block to Redis
 _COLUMN = (0, 1, 3)  # a tier's index (gpu 0, cpu 1, disk 2) -> its place in a row [gpu, cpu, flags, disk]
@@ -51,6 +51,11 @@ assert _ENTRY_DTYPE.itemsize == ENTRY_BYTES
 
 def _home(key: bytes, mask: int) -> int:
     return int.from_bytes(key[:8], "little") & mask
+
+
+def _homes(joined: bytes, mask: int) -> npt.NDArray[np.int64]:
+    """`_home` of each key of `joined` (whole 32-byte keys), from the one join."""
+    return np.frombuffer(joined, dtype="<u8").reshape(-1, KEY_BYTES // 8)[:, 0].astype(np.int64) & mask
 
 
 class DirectoryReader:
@@ -87,8 +92,7 @@ class DirectoryReader:
         reads skips. A hint, like `find`: the slot's header is what a read verifies."""
         joined = b"".join(keys)
         want = np.frombuffer(joined, dtype="V32")
-        # each key's home: its first 8 bytes, little-endian (_home), read from the one join
-        at = np.frombuffer(joined, dtype="<u8").reshape(-1, 4)[:, 0].astype(np.int64) & self._mask
+        at = _homes(joined, self._mask)
         table = np.frombuffer(self.seg.buf, dtype=_ENTRY_DTYPE, count=self.capacity, offset=ENTRY_OFF)
         out = np.full(len(keys), NO_SLOT, dtype=np.int64)
         todo = np.arange(len(keys))
@@ -140,7 +144,7 @@ class DirectoryWriter(DirectoryReader):
         joined = b"".join(keys)
         if len(joined) != KEY_BYTES * len(keys):
             raise ValueError(f"directory keys are {KEY_BYTES} bytes")
-        homes = (np.frombuffer(joined, dtype="<u8")[::KEY_BYTES // 8] & mask).tolist()  # _home of each
+        homes = _homes(joined, mask).tolist()
         with buf[ENTRY_OFF:ENTRY_OFF + self.capacity * ENTRY_BYTES].cast("I") as used:  # entry i's at i * _WORDS
             for key, slot, i in zip(keys, slots, homes):
                 row = rows.get(key)
