@@ -125,7 +125,7 @@ async def test_cancelled_calls_never_get_another_callers_data(daemon_factory, re
     try:
         async with await Client.connect(d.runtime_dir, staging_blocks=1024) as client:
             if copies == "threads":
-                client.off_loop_bytes = 0
+                client.off_loop_bytes = client.inline_put_bytes = 0
             world = World(client.block_keys, client.pool("t").fingerprint, r)
             for keys, kv in zip(world.local, world.local_kv):
                 assert (await client.put("t", keys, kv)).dropped == 0
