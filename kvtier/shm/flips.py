@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.shm.slots import SLOT_MAGIC, Flags
+from kvtier.shm.onepass import compiled, key_tags
+from kvtier.shm.slots import HEADER_DTYPE, SLOT_MAGIC, Flags
 
 
 def begin_writes(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
@@ -50,3 +51,24 @@ def flip_valid(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], checked:
     body["flags"], body["gen"] = Flags.VALID, odd
     headers[slots] = body
     headers["gen"][slots] = odd + 1
+
+
+def check_ready(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], gens: npt.NDArray[np.uint64], keys: bytes,
+                block_bytes: int) -> tuple[npt.NDArray[Any], list[bool]]:
+    """A put's granted blocks against their slots' headers, before the daemon makes them VALID:
+    (a copy of each slot's header as the client left it, zeros for a slot outside the table;
+    whether that copy is whole and the block's: magic, READY, the gen the put names and even, its
+    key (`keys`: joined), `block_bytes` long, and a tag binding the key to the checksum, as every
+    reader demands). Each check reads the copy, which is what `flip_valid` writes back. Compiled
+    (a few microseconds a put of 64 blocks, against about 25 in numpy), else numpy."""
+    n = len(keys) // 32
+    snaps = np.empty(n, dtype=HEADER_DTYPE)
+    if (check := compiled("check_ready")) is not None:
+        ok: list[bool] = check(headers, slots, gens, keys, block_bytes, SLOT_MAGIC, Flags.READY, snaps)
+        return snaps, ok
+    inside = (slots >= 0) & (slots < len(headers))
+    snaps[:] = headers[np.where(inside, slots, 0)]
+    snaps[~inside] = np.zeros(1, dtype=HEADER_DTYPE)
+    return snaps, (inside & (snaps["magic"] == SLOT_MAGIC) & (snaps["flags"] == Flags.READY) & (snaps["gen"] == gens)
+                   & (gens % 2 == 0) & (snaps["key"] == np.frombuffer(keys, dtype="V32"))
+                   & (snaps["length"] == block_bytes) & (snaps["tag"] == key_tags(keys, snaps["checksum"]))).tolist()

@@ -50,6 +50,11 @@ COMPILED: bool = _copy_hash is not None
 HASH_KERNEL: str = getattr(_copy_hash, "HASH_KERNEL", "baseline") if COMPILED else "python-xxhash"
 
 
+def compiled(name: str) -> Any:
+    """The compiled extension's function `name`, or None (not built here, or built before it)."""
+    return getattr(_copy_hash, name, None)
+
+
 def checksum(data: HashInput) -> int:
     """The payload checksum of every slot, block file and Redis value: xxh3-64."""
     return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))

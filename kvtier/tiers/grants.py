@@ -34,10 +34,9 @@ from kvtier.core.index import Entry
 from kvtier.core.outcomes import Outcome, failed, held, stored
 from kvtier.errors import SegmentError
 from kvtier.logs import Log
-from kvtier.shm.flips import flip_valid
+from kvtier.shm.flips import check_ready, flip_valid
 from kvtier.shm.grant_ring import GRANT_EXPIRE_S, RING, RingFile
-from kvtier.shm.onepass import key_tags
-from kvtier.shm.slots import EMPTY_KEY, SLOT_MAGIC, Flags
+from kvtier.shm.slots import EMPTY_KEY
 from kvtier.shm.staging_files import StagingSegments
 from kvtier.tiers.pool import PoolRuntime
 
@@ -160,20 +159,15 @@ class GrantBook:
         caller makes one fact for the batch rather than an outcome a block), else its outcome
         and what a failure met."""
         segment = batch.segment
-        table, bb = rt.cpu.table, rt.layout.block_bytes
-        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
-        inside = ((slots >= 0) & (slots < table.n)).tolist()
-        slots = np.where(inside, slots, 0)
-        headers = table.headers(0, table.n)
-        snap = headers[slots]  # a copy: the headers as the client left them
-        # A gen no write leaves (negative, or past 63 bits) reads as odd: not written whole.
+        table = rt.cpu.table
+        # Slots and gens no header holds (negative, or past 63 bits) read as outside and odd.
+        slots = np.fromiter((b.slot if 0 <= b.slot < table.n else -1 for b in blocks), dtype=np.int64,
+                            count=len(blocks))
         gens = np.fromiter((b.gen if 0 <= b.gen < 1 << 63 else 1 for b in blocks), dtype=np.uint64,
                            count=len(blocks))
-        joined = b"".join(b.key for b in blocks)
-        # The tag must bind the key the put names to the header's checksum, as every reader demands.
-        ok = ((snap["magic"] == SLOT_MAGIC) & (snap["flags"] == Flags.READY) & (snap["gen"] == gens)
-              & (gens % 2 == 0) & (snap["key"] == np.frombuffer(joined, dtype="V32")) & (snap["length"] == bb)
-              & (snap["tag"] == key_tags(joined, snap["checksum"]))).tolist()
+        headers = table.headers(0, table.n)
+        # Copies of the headers as the client left them, checked: whole, and each naming its block.
+        snap, ok = check_ready(headers, slots, gens, b"".join(b.key for b in blocks), rt.layout.block_bytes)
         out: list[tuple[Outcome, str] | None] = []
         claims: list[int] = []  # batch positions whose header checks out, claimed below together
         index, placement = rt.cpu.index, rt.placement
@@ -181,7 +175,7 @@ class GrantBook:
         book: dict[int, int] = h.slots if h is not None and h.pool == rt.name else {}
         used = False  # a grant of the segment was used: it is topped up at the next flush
         for j, b in enumerate(blocks):
-            if not inside[j]:
+            if not 0 <= b.slot < table.n:
                 out.append((failed(batch.store(b), Tier.CPU, Failure.BAD_STAGING),
                             f"slot {b.slot} outside the arena"))
                 continue

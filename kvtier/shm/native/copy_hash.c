@@ -315,6 +315,106 @@ static PyObject *key_tags(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* A slot header (kvtier/shm/slots.py HEADER_DTYPE): the offsets check_ready reads. */
+#define HDR 128
+#define H_MAGIC 0
+#define H_FLAGS 4
+#define H_GEN 8
+#define H_KEY 16
+#define H_LENGTH 48
+#define H_CHECKSUM 56
+#define H_TAG 96
+
+static uint64_t le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+PyDoc_STRVAR(check_ready_doc,
+"check_ready(headers, slots, gens, keys, block_bytes, magic, ready, snaps) -> list[bool]\n\n"
+"A put's granted blocks against their slots' headers, as the daemon adopts them (kvtier/shm/flips.py\n"
+"check_ready). headers: a table's 128-byte slot headers; slots int64 and gens uint64 vectors and keys\n"
+"(joined 32-byte keys) of one per block; snaps: a writable buffer of 128 bytes a block. For each j,\n"
+"snaps[j] gets a copy of slot slots[j]'s header (zeros for a slot outside the table), and the answer's\n"
+"j-th item says whether that copy is whole and this block's: magic, flags == ready, gen == gens[j]\n"
+"and even, key == keys[j], length == block_bytes, tag == key_tag(key, checksum). Every check reads\n"
+"the copy, never the header again. Under the GIL: it is short.");
+
+static PyObject *check_ready(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "check_ready(headers, slots, gens, keys, block_bytes, magic, ready, snaps) takes eight arguments");
+        return NULL;
+    }
+    unsigned long long bb = PyLong_AsUnsignedLongLong(args[4]);
+    if (bb == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long magic = PyLong_AsUnsignedLong(args[5]);
+    if (magic == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long ready = PyLong_AsUnsignedLong(args[6]);
+    if (ready == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *res = NULL;
+    Py_buffer h, sl, g, k, sn;
+    if (PyObject_GetBuffer(args[0], &h, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[3], &k, PyBUF_C_CONTIGUOUS) < 0) goto fail_h;
+    if (h.len % HDR || k.len % 32) {
+        PyErr_Format(PyExc_ValueError, "check_ready: %zd bytes of headers, %zd of keys", h.len, k.len);
+        goto fail_k;
+    }
+    Py_ssize_t n = k.len / 32, table = h.len / HDR;
+    if (get_vector(args[1], &sl, n, 0, 0, "check_ready: slots") < 0) goto fail_k;
+    if (get_vector(args[2], &g, n, 0, 1, "check_ready: gens") < 0) goto fail_sl;
+    if (PyObject_GetBuffer(args[7], &sn, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto fail_g;
+    if (sn.len != n * HDR) {
+        PyErr_Format(PyExc_ValueError, "check_ready: snaps must be %zd bytes, got %zd", n * HDR, sn.len);
+        goto fail_sn;
+    }
+    res = PyList_New(n);
+    if (res == NULL) goto fail_sn;
+    const int64_t *slots = (const int64_t *)sl.buf;
+    const uint64_t *gens = (const uint64_t *)g.buf;
+    const unsigned char *keys = (const unsigned char *)k.buf;
+    unsigned char *snaps = (unsigned char *)sn.buf;
+    unsigned char rec[40];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        unsigned char *c = snaps + j * HDR;
+        int ok = 0;
+        if (slots[j] >= 0 && slots[j] < table) {
+            /* One copy of the header as the client left it (it may still write to it: every
+               check below reads the copy, which is also what the caller writes back VALID). */
+            memcpy(c, (const unsigned char *)h.buf + slots[j] * HDR, HDR);
+            uint64_t gen = le64(c + H_GEN);
+            if (le32(c + H_MAGIC) == magic && le32(c + H_FLAGS) == ready && gen == gens[j] && gen % 2 == 0
+                && memcmp(c + H_KEY, keys + 32 * j, 32) == 0 && le64(c + H_LENGTH) == bb) {
+                memcpy(rec, c + H_KEY, 32);
+                memcpy(rec + 32, c + H_CHECKSUM, 8);  /* little-endian as stored: key_tag's layout */
+                ok = XXH3_64bits(rec, sizeof rec) == le64(c + H_TAG);
+            }
+        } else {
+            memset(c, 0, HDR);
+        }
+        PyObject *b = ok ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyList_SET_ITEM(res, j, b);
+    }
+fail_sn:
+    PyBuffer_Release(&sn);
+fail_g:
+    PyBuffer_Release(&g);
+fail_sl:
+    PyBuffer_Release(&sl);
+fail_k:
+    PyBuffer_Release(&k);
+fail_h:
+    PyBuffer_Release(&h);
+    return res;
+}
+
 /* A checksum taken over several copies (a block that lands in runs: vLLM's per-layer pages,
    SGLang's strided pages), as python-xxhash's xxh3_64 object is over several updates. One
    thread at a time: its state is used with the GIL released, so a second thread's call while
@@ -420,6 +520,7 @@ static PyMethodDef methods[] = {
     {"copy_hashed", (PyCFunction)(void (*)(void))copy_hashed, METH_FASTCALL, copy_hashed_doc},
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
     {"key_tags", (PyCFunction)(void (*)(void))key_tags, METH_FASTCALL, key_tags_doc},
+    {"check_ready", (PyCFunction)(void (*)(void))check_ready, METH_FASTCALL, check_ready_doc},
     {NULL, NULL, 0, NULL},
 };
 
