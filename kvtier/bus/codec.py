@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from kvtier.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier, TokenIds
+from kvtier.core.events import EVENT_TYPES, SCHEMA_VERSION, Envelope, Event, StagedBlock, Tier, TokenIds, staged_block
 from kvtier.errors import MalformedEvent
 from kvtier.keys import KEY_BYTES, BlockKey
 
@@ -185,6 +185,8 @@ def _checker(name: str, hint: object) -> Check:
         arms = [_checker(name, a) for a in args if a is not type(None)]
         names = ", ".join(v for a in args if isinstance(a, type) and issubclass(a, enum.StrEnum) for v in a)
         return partial(_union, type(None) in args, arms, names)
+    if origin is tuple and args == (StagedBlock, Ellipsis):
+        return _staged_blocks
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return partial(_tuple, _checker(name, args[0]))
     raise TypeError(f"no validator for {name}: {hint!r}")  # a programming error, caught at import
@@ -224,7 +226,7 @@ def _staged(where: str, value: object) -> StagedBlock:
     # error text built. Anything else takes the checks below, which say what is wrong.
     if (type(k) is bytes and len(k) == KEY_BYTES and (p is None or (type(p) is bytes and len(p) == KEY_BYTES))
             and type(slot) is int and 0 <= slot <= I64_MAX and type(gen) is int and 0 <= gen <= I64_MAX):
-        return StagedBlock(k, p, slot, gen, len(value) == 5)  # type: ignore[arg-type]
+        return staged_block((k, p, slot, gen, len(value) == 5))
     return StagedBlock(
         key=_key(where + ".key", k),
         parent=None if p is None else _key(where + ".parent", p),
@@ -232,6 +234,26 @@ def _staged(where: str, value: object) -> StagedBlock:
         gen=_uint(where + ".gen", gen),
         granted=len(value) == 5,
     )
+
+
+def _staged_blocks(where: str, value: object) -> tuple[StagedBlock, ...]:
+    """A put's blocks, `_staged` each: the common block checked in this one loop, no call a block
+    (a put names up to thousands, and the daemon decodes every one); anything else goes through
+    `_staged`, which says what is wrong and where."""
+    if not isinstance(value, list):
+        raise MalformedEvent(f"{where}: expected a list")
+    if len(value) > MAX_ITEMS:
+        raise MalformedEvent(f"{where}: more than {MAX_ITEMS} items")
+    out = []
+    for i, v in enumerate(value):
+        if type(v) is list and (len(v) == 4 or (len(v) == 5 and v[4] is True)):
+            k, p, slot, gen = v[0], v[1], v[2], v[3]
+            if (type(k) is bytes and len(k) == KEY_BYTES and (p is None or (type(p) is bytes and len(p) == KEY_BYTES))
+                    and type(slot) is int and 0 <= slot <= I64_MAX and type(gen) is int and 0 <= gen <= I64_MAX):
+                out.append(staged_block((k, p, slot, gen, len(v) == 5)))
+                continue
+        out.append(_staged(f"{where}[{i}]", v))
+    return tuple(out)
 
 
 def _union(optional: bool, arms: list[Check], names: str, where: str, value: object) -> object:

@@ -23,7 +23,7 @@ from kvtier.bus.publisher import Publisher
 from kvtier.client.access import AccessReports
 from kvtier.client.pools import ClientPool, host_rows
 from kvtier.client.results import ClientStats, DropReason, Lookup, PutResult
-from kvtier.core.events import Pin, Prefetch, Put, StagedBlock, TokenIds
+from kvtier.core.events import Pin, Prefetch, Put, StagedBlock, TokenIds, staged_block
 from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
 from kvtier.keys import BlockKey, check_key, check_keys, encode_tokens
@@ -158,24 +158,29 @@ class ClientWrites:
 
         def event(blocks: Sequence[StagedBlock]) -> Put:
             return Put(p.name, w.seg.name, tuple(blocks), part, epoch, tenant)
-        # What the event names: each slot as its fill leaves it, its gen one past the odd gen taken.
-        expected = [StagedBlock(b.key, b.parent, b.slot, b.gen + 1, b.granted) for b in staged]
         try:
             write = writer(w, len(staged), off)
             nbytes = len(staged) * p.block_bytes
             threads = share_threads(self._copy_threads, len(staged), nbytes)
+            inline = threads == 1 and nbytes <= inline_bytes
             with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
-                copying = self._start_copy(write, list(enumerate(staged)), nbytes, threads,
-                                           inline=threads == 1 and nbytes <= inline_bytes)
-                try:  # the event encoded while copy threads fill the slots: off the put's serial path
-                    fields = self._publisher.prepare(event(expected))
-                finally:
-                    staged = await copying  # every share, even on a failure or a cancel
+                copying = self._start_copy(write, list(enumerate(staged)), nbytes, threads, inline=inline)
+                if inline:  # filled already
+                    staged = await copying
+                    fields = self._publisher.prepare(event(staged))
+                else:
+                    # Encoded while the copy threads fill the slots, off the put's serial path: what
+                    # the event names, each slot as its fill leaves it (its gen one past the odd gen taken).
+                    expected = [staged_block((b.key, b.parent, b.slot, b.gen + 1, b.granted)) for b in staged]
+                    try:
+                        fields = self._publisher.prepare(event(expected))
+                    finally:
+                        staged = await copying  # every share, even on a failure or a cancel
+                    if staged != expected:  # (never, as the fills are written: the event names what they left)
+                        fields = self._publisher.prepare(event(staged))
         except BaseException:
             w.unstage(staged)
             raise
-        if staged != expected:  # (never, as the fills are written: the event names what they left)
-            fields = self._publisher.prepare(event(staged))
         w.staged(staged)
         try:
             await self._publisher.publish_prepared(self._client_stream, fields)

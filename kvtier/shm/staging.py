@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.core.events import StagedBlock
+from kvtier.core.events import StagedBlock, staged_block
 from kvtier.keys import BlockKey
 from kvtier.shm.flips import begin_writes, end_writes
 from kvtier.shm.grant_ring import GRANT_USE_S, GrantRing
@@ -133,7 +133,7 @@ class StagingWriter:
         odd = begin_writes(self.arena.headers(0, self.arena.n), np.array(slots, dtype=np.int64)).tolist()
         taken = []
         for key, slot, gen in zip(keys, slots, odd):
-            taken.append(StagedBlock(key, parent, slot, gen, True))
+            taken.append(staged_block((key, parent, slot, gen, True)))
             parent = key
         return taken
 
@@ -173,7 +173,7 @@ class StagingWriter:
             "flags": Flags.READY, "key": np.frombuffer(keys, dtype="V32"), "length": table.block_bytes,
             "checksum": sums, "parent": np.frombuffer(b"".join(b.parent or EMPTY_KEY for b in blocks), dtype="V32"),
             "tag": key_tags(keys, sums)})
-        return [StagedBlock(b.key, b.parent, b.slot, b.gen + 1, b.granted) for b in blocks]
+        return [staged_block((b.key, b.parent, b.slot, b.gen + 1, b.granted)) for b in blocks]
 
     def _commit(self, b: StagedBlock, csum: int) -> StagedBlock:
         """A filled slot's header (key, parent, length, checksum, READY), then its even gen."""

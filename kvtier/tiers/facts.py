@@ -41,7 +41,7 @@ class Facts:
         (None), the common case, are counted and timed at once and reported as stored_batch
         facts, with no outcome or fact made a block; the rest as `report` has them."""
         done = [b for b, r in zip(blocks, got) if r is None]
-        if done:  # one fact, cut to MAX_RUN when published (core/events.py `batched`)
+        if done:  # one fact, cut to MAX_RUN when published (core/fact_batches.py)
             self._facts.append(StoredBatch(rt.name, self.tier, Cause.STORE, tuple(b.key for b in done),
                                            tuple(b.parent for b in done), tuple(b.slot for b in done)))
             c = rt.counters.tiers[self.tier.label]

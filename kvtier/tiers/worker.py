@@ -37,8 +37,8 @@ from kvtier.core.events import (
     Store,
     StoreBatch,
     Tier,
-    batched,
 )
+from kvtier.core.fact_batches import batched
 from kvtier.core.fence import CommandFence
 from kvtier.core.outcomes import evicted, failed, held, read, sent, written
 from kvtier.disk.blockfile import aligned_empty

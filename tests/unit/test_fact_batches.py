@@ -1,11 +1,13 @@
-"""A tier worker's facts go out as batches (kvtier/core/events.py: batched, StoredBatch): each run
-of stored facts of one pool, tier and cause is one event, and stands for exactly those facts."""
+"""A tier worker's facts go out as batches (kvtier/core/fact_batches.py `batched`, of
+kvtier/core/events.py's StoredBatch): each run of stored facts of one pool, tier and cause is
+one event, and stands for exactly those facts."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.bus.codec import decode, encode
-from kvtier.core.events import MAX_RUN, Cause, Envelope, Failure, Removed, Stored, StoredBatch, Tier, batched
+from kvtier.core.events import Cause, Envelope, Failure, Removed, Stored, StoredBatch, Tier
+from kvtier.core.fact_batches import MAX_RUN, batched
 
 KEYS = [bytes([i]) * 32 for i in range(8)]
 
