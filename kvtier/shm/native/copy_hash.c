@@ -415,6 +415,95 @@ fail_h:
     return res;
 }
 
+/* A directory entry (kvtier/shm/directory.py _ENTRY): used, gpu, cpu, flags, key, disk, pad. */
+#define ENTRY 64
+#define E_KEY 16
+#define E_DISK 48
+
+static void put_le32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+PyDoc_STRVAR(dir_insert_doc,
+"dir_insert(entries, keys, homes, slots, column, buckets) -> None\n\n"
+"New keys into the shared-memory directory's open-addressing table (kvtier/shm/directory.py\n"
+"DirectoryWriter.set_slots): entries, its writable table of 64-byte entries (a power of two of them);\n"
+"keys, whole 32-byte keys, none in the table yet and no two alike; homes and slots int64 vectors of\n"
+"one per key. For each key in order, probe linearly from its home for a free entry and write it whole:\n"
+"used, its slot in `column` (0 gpu, 1 cpu, 2 disk) and no slot in the others, no flags. buckets[j]\n"
+"gets key j's entry. ValueError, before anything is written, for a slot that does not fit 32 bits;\n"
+"ValueError, with the keys before it written, if the table is full (the caller leaves room).");
+
+static PyObject *dir_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "dir_insert(entries, keys, homes, slots, column, buckets) takes six arguments");
+        return NULL;
+    }
+    long column = PyLong_AsLong(args[4]);
+    if (column == -1 && PyErr_Occurred()) return NULL;
+    if (column < 0 || column > 2) {
+        PyErr_Format(PyExc_ValueError, "dir_insert: column %ld is not 0, 1 or 2", column);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_buffer t, k, h, sl, b;
+    if (PyObject_GetBuffer(args[0], &t, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &k, PyBUF_C_CONTIGUOUS) < 0) goto fail_t;
+    Py_ssize_t cap = t.len / ENTRY, n = k.len / 32;
+    if (t.len % ENTRY || cap == 0 || (cap & (cap - 1)) || k.len % 32) {
+        PyErr_Format(PyExc_ValueError, "dir_insert: %zd bytes of entries, %zd of keys", t.len, k.len);
+        goto fail_k;
+    }
+    if (get_vector(args[2], &h, n, 0, 0, "dir_insert: homes") < 0) goto fail_k;
+    if (get_vector(args[3], &sl, n, 0, 0, "dir_insert: slots") < 0) goto fail_h;
+    if (get_vector(args[5], &b, n, 1, 0, "dir_insert: buckets") < 0) goto fail_sl;
+    unsigned char *table = (unsigned char *)t.buf;
+    const unsigned char *keys = (const unsigned char *)k.buf;
+    const int64_t *homes = (const int64_t *)h.buf, *slots = (const int64_t *)sl.buf;
+    int64_t *buckets = (int64_t *)b.buf;
+    Py_ssize_t mask = cap - 1, j;
+    for (j = 0; j < n; j++) {  /* every slot checked before any entry is written */
+        if (slots[j] < INT32_MIN || slots[j] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "dir_insert: slot %lld does not fit an entry", (long long)slots[j]);
+            goto done;
+        }
+    }
+    for (j = 0; j < n; j++) {
+        Py_ssize_t i = (Py_ssize_t)(homes[j] & mask), steps = 0;
+        while (le32(table + i * ENTRY) != 0) {  /* linear probing from the key's home */
+            i = (i + 1) & mask;
+            if (++steps == cap) {
+                PyErr_SetString(PyExc_ValueError, "dir_insert: the directory is full");
+                goto done;
+            }
+        }
+        unsigned char rec[ENTRY] = {0};
+        int32_t col[3] = {-1, -1, -1};  /* gpu, cpu, disk */
+        col[column] = (int32_t)slots[j];
+        put_le32(rec, 1);
+        put_le32(rec + 4, (uint32_t)col[0]);
+        put_le32(rec + 8, (uint32_t)col[1]);
+        memcpy(rec + E_KEY, keys + 32 * j, 32);
+        put_le32(rec + E_DISK, (uint32_t)col[2]);
+        memcpy(table + i * ENTRY, rec, ENTRY);
+        buckets[j] = i;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&b);
+fail_sl:
+    PyBuffer_Release(&sl);
+fail_h:
+    PyBuffer_Release(&h);
+fail_k:
+    PyBuffer_Release(&k);
+fail_t:
+    PyBuffer_Release(&t);
+    return res;
+}
+
 /* A checksum taken over several copies (a block that lands in runs: vLLM's per-layer pages,
    SGLang's strided pages), as python-xxhash's xxh3_64 object is over several updates. One
    thread at a time: its state is used with the GIL released, so a second thread's call while
@@ -521,6 +610,7 @@ static PyMethodDef methods[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
     {"key_tags", (PyCFunction)(void (*)(void))key_tags, METH_FASTCALL, key_tags_doc},
     {"check_ready", (PyCFunction)(void (*)(void))check_ready, METH_FASTCALL, check_ready_doc},
+    {"dir_insert", (PyCFunction)(void (*)(void))dir_insert, METH_FASTCALL, dir_insert_doc},
     {NULL, NULL, 0, NULL},
 };
 
