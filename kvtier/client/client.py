@@ -101,7 +101,9 @@ class Client(ClientReads, ClientWrites, RedisQueries):
                       remote_timeout: float | None = None, blocks_url: str | None = None) -> Client:
         """Find the local daemon through its descriptor (runtime_dir, $KVTIER__NODE__RUNTIME_DIR,
         or the default runtime directory) and map its pools. Gets and puts of more than 256 KiB
-        copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop.
+        copy in `copy_threads` threads (default min(4, CPU cores)), off the caller's event loop,
+        but a `put` of blocks under 256 KiB from a host tensor: up to `inline_put_bytes` (8 MiB)
+        of it is copied on the loop, which it holds meanwhile (client/writes.py INLINE_PUT_BYTES).
         A read-through (`get(..., remote=True)`) gives Redis at most `remote_timeout` seconds
         (default: socket_timeout) before the local answer stands. `blocks_url` reads blocks
         (read-through, locate, present) with the client's own credentials instead of the daemon's

@@ -28,17 +28,18 @@ from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, RedisUnavailable
 from kvtier.keys import BlockKey, check_key, check_keys, encode_tokens
 from kvtier.logs import LogThrottle
-from kvtier.offload import share_threads
+from kvtier.offload import SHARED_MIN_BLOCK, share_threads
 from kvtier.processes import pid_alive
 from kvtier.shm.staging import StagingWriter
 
 MAX_PIN_TTL_S = 7 * 86400  # a pin longer than this is a mistake (the daemon cuts pins to its own max_ttl_s)
 
-# A put from a host tensor whose fill runs in one share (blocks under 256 KiB: offload.share_threads)
-# is filled on the event loop up to this many bytes: a hand-off to a copy thread and back cost the
-# client about 1.3 us of CPU a block at 64 KiB and 64 blocks a put, and the put ran 11 % faster
-# without it (docs/performance.md, the seventeenth stop). The loop is held for the copy: about
-# 0.3-0.7 ms at this bound. A GPU tensor's rows are copied to the host first, on the loop, either way.
+# A put of blocks under 256 KiB from a host tensor (filled in one share: offload.share_threads) is
+# filled on the event loop up to this many bytes. The hand-off to a copy thread and back cost 44.5
+# us of CPU for a no-op here; on puts of 64 blocks of 64 KiB the client's CPU a block fell from
+# 10.0-11.5 to 8.6-9.4 us without it, and the put ran 11 % faster (docs/performance.md, the
+# seventeenth stop). The loop is held for the copy: about 0.3-0.7 ms at this bound with the copy
+# compiled, longer without it. A GPU tensor's rows are copied to the host first, on the loop, either way.
 INLINE_PUT_BYTES = 8 << 20
 STAGING_POLL_S = 0.002  # while a put waits for staging room (wait_s): the daemon frees slots as it stores
 # A put's fill of a share of its taken slots, (i, slot) pairs, in a copy thread: the slots filled.
@@ -162,7 +163,7 @@ class ClientWrites:
             write = writer(w, len(staged), off)
             nbytes = len(staged) * p.block_bytes
             threads = share_threads(self._copy_threads, len(staged), nbytes)
-            inline = threads == 1 and nbytes <= inline_bytes
+            inline = threads == 1 and p.block_bytes < SHARED_MIN_BLOCK and nbytes <= inline_bytes
             with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
                 copying = self._start_copy(write, list(enumerate(staged)), nbytes, threads, inline=inline)
                 if inline:  # filled already

@@ -1,7 +1,8 @@
 """Where a put's fill runs: a put from a host tensor in one share of at most
 `Client.inline_put_bytes` fills its slots on the event loop (no hand-off to a copy thread and
 back); a bigger one, a fill the caller supplies (`put_with`) and a client told to keep every fill
-off the loop use the copy threads. Either way the bytes put come back. A real daemon."""
+off the loop use the copy threads. Either way the bytes put come back; a fill that fails on the
+loop leaves its slots empty and publishes nothing. A real daemon."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from kvtier.client import Client
 from kvtier.client.writes import INLINE_PUT_BYTES
+from kvtier.shm.slots import Flags
 from tests.support.blocks import SHAPE, make_kv, same_bytes
+from tests.support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,3 +68,39 @@ async def test_a_small_put_fills_on_the_loop_and_the_rest_in_copy_threads(daemon
         assert await client.get("t", keys, out) == BLOCKS
         assert same_bytes(out, kv), "the blocks read back are the blocks put"
         assert out.shape == (BLOCKS, *SHAPE)
+
+
+async def test_a_fill_that_fails_on_the_loop_empties_its_slots_and_publishes_nothing(daemon_factory):
+    d = daemon_factory(node="fill-fails", gpu=0, cpu=1024, extra="grant_blocks = 128")
+    async with await Client.connect(d.runtime_dir, staging_blocks=BLOCKS) as client:
+        await client.prepare_puts("t")
+        w = client.pool("t").stager()
+        await async_wait_until(lambda: w.grants_waiting() >= BLOCKS, timeout=10,
+                               message="the daemon granted the client slots")
+        taken = []
+        inner = w.fill_rows
+
+        def half_then_fail(share, rows):  # half the slots written READY, then the fill fails
+            taken.extend(b for _, b in share)
+            inner(share[: len(share) // 2], rows)
+            raise RuntimeError("the fill failed")
+        w.fill_rows = half_then_fail
+        keys = client.block_keys("t", list(range(16 * BLOCKS)), salt=b"fails")
+        with pytest.raises(RuntimeError, match="the fill failed"):
+            await client.put("t", keys, make_kv(BLOCKS, seed=3))
+        w.fill_rows = inner
+        assert len(taken) == BLOCKS and all(b.granted for b in taken), "the put was filling granted slots"
+        for b in taken:
+            h = w.arena.header(b.slot)
+            assert h.flags == Flags.EMPTY and h.gen % 2 == 0, (b.slot, h)
+        # The client stream is in order: once a later put is resident, the failed one would
+        # have been handled too, had it been sent.
+        other = client.block_keys("t", list(range(16 * BLOCKS)), salt=b"after")
+        res = await client.put("t", other, kv := make_kv(BLOCKS, seed=4))
+        assert res.staged == BLOCKS and res.dropped == 0
+        assert await client.wait_resident("t", other, timeout=10)
+        wait_until(lambda: d.pool_stats().get("puts", 0) >= BLOCKS, timeout=10, message="the daemon counted the put")
+        assert d.pool_stats()["puts"] == BLOCKS, "only the second put reached the daemon"
+        assert client.lookup("t", keys).length == 0
+        out = make_kv(BLOCKS, seed=5)
+        assert await client.get("t", other, out) == BLOCKS and same_bytes(out, kv)

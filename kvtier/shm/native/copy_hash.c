@@ -431,8 +431,9 @@ PyDoc_STRVAR(dir_insert_doc,
 "keys, whole 32-byte keys, none in the table yet and no two alike; homes and slots int64 vectors of\n"
 "one per key. For each key in order, probe linearly from its home for a free entry and write it whole:\n"
 "used, its slot in `column` (0 gpu, 1 cpu, 2 disk) and no slot in the others, no flags. buckets[j]\n"
-"gets key j's entry. ValueError, before anything is written, for a slot that does not fit 32 bits;\n"
-"ValueError, with the keys before it written, if the table is full (the caller leaves room).");
+"gets key j's entry. ValueError, and the table as it was, for a slot that does not fit 32 bits or a\n"
+"table that fills (the caller leaves room): the entries this call wrote are emptied again, which\n"
+"restores the table, as they filled buckets no earlier key's probe crossed.");
 
 static PyObject *dir_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -473,7 +474,8 @@ static PyObject *dir_insert(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_ssize_t i = (Py_ssize_t)(homes[j] & mask), steps = 0;
         while (le32(table + i * ENTRY) != 0) {  /* linear probing from the key's home */
             i = (i + 1) & mask;
-            if (++steps == cap) {
+            if (++steps == cap) {  /* the caller leaves room: this call's entries are taken back */
+                for (Py_ssize_t u = 0; u < j; u++) memset(table + buckets[u] * ENTRY, 0, ENTRY);
                 PyErr_SetString(PyExc_ValueError, "dir_insert: the directory is full");
                 goto done;
             }
