@@ -219,14 +219,11 @@ def _str_enum(hint: type[enum.StrEnum], where: str, value: object) -> enum.StrEn
 
 
 def _staged(where: str, value: object) -> StagedBlock:
+    """One staged block, each field checked and what is wrong named (`_staged_blocks` takes the
+    common block itself, without a call)."""
     if type(value) is not list or not (len(value) == 4 or (len(value) == 5 and value[4] is True)):
         raise MalformedEvent(f"{where}: staged block must be [key, parent, slot, gen] (+ true: granted)")
     k, p, slot, gen = value[0], value[1], value[2], value[3]
-    # The common case checked inline (a put names up to thousands of blocks): exact types, no
-    # error text built. Anything else takes the checks below, which say what is wrong.
-    if (type(k) is bytes and len(k) == KEY_BYTES and (p is None or (type(p) is bytes and len(p) == KEY_BYTES))
-            and type(slot) is int and 0 <= slot <= I64_MAX and type(gen) is int and 0 <= gen <= I64_MAX):
-        return staged_block((k, p, slot, gen, len(value) == 5))
     return StagedBlock(
         key=_key(where + ".key", k),
         parent=None if p is None else _key(where + ".parent", p),

@@ -22,7 +22,7 @@ from kvtier.client.reads import ClientReads
 from kvtier.client.redis_queries import RedisQueries
 from kvtier.client.remote import RemoteReads
 from kvtier.client.results import ClientStats, Lookup
-from kvtier.client.writes import INLINE_PUT_BYTES, ClientWrites
+from kvtier.client.writes import ClientWrites
 from kvtier.core.events import Tier
 from kvtier.descriptor import Descriptor
 from kvtier.errors import BadRequest, DaemonUnavailable, SegmentError, UnknownPool
@@ -53,7 +53,6 @@ class Client(ClientReads, ClientWrites, RedisQueries):
         self._copy_threads = copy_threads
         self._copier: CopyThreads | None = None  # made on the first big copy
         self.off_loop_bytes = OFF_LOOP_BYTES
-        self.inline_put_bytes = INLINE_PUT_BYTES
         self.desc = desc
         self.node = desc.node
         self.log = log.bind(node=self.node)

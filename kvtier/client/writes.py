@@ -55,13 +55,13 @@ class ClientWrites:
     stats: ClientStats
     _copy_threads: int
     quiet: LogThrottle
-    inline_put_bytes: int  # INLINE_PUT_BYTES (a test sets 0 to send every fill to the copy threads)
+    inline_put_bytes = INLINE_PUT_BYTES  # (a test sets 0 on a client to send every fill to the copy threads)
 
     if TYPE_CHECKING:  # the other parts of Client (for the type checker only: see client/reads.py)
         def pool(self, name: str) -> ClientPool: ...
         def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup: ...
         def _start_copy(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any], nbytes: int,
-                        threads: int | None = None, inline: bool = False) -> Coroutine[Any, Any, list[Any]]: ...
+                        threads: int | None = None) -> Coroutine[Any, Any, list[Any]]: ...
 
     async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
                   token_ids: Sequence[int] | None = None, wait_s: float = 0.0, tenant: str = "") -> PutResult:
@@ -165,14 +165,14 @@ class ClientWrites:
             threads = share_threads(self._copy_threads, len(staged), nbytes)
             inline = threads == 1 and p.block_bytes < SHARED_MIN_BLOCK and nbytes <= inline_bytes
             with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
-                copying = self._start_copy(write, list(enumerate(staged)), nbytes, threads, inline=inline)
-                if inline:  # filled already
-                    staged = await copying
+                if inline:
+                    staged = write(list(enumerate(staged)))
                     fields = self._publisher.prepare(event(staged))
                 else:
                     # Encoded while the copy threads fill the slots, off the put's serial path: what
                     # the event names, each slot as its fill leaves it (its gen one past the odd gen taken).
                     expected = [staged_block((b.key, b.parent, b.slot, b.gen + 1, b.granted)) for b in staged]
+                    copying = self._start_copy(write, list(enumerate(staged)), nbytes, threads)
                     try:
                         fields = self._publisher.prepare(event(expected))
                     finally:

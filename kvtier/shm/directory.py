@@ -152,22 +152,21 @@ class DirectoryWriter(DirectoryReader):
         joined = b"".join(keys)
         if len(joined) != KEY_BYTES * len(keys):
             raise ValueError(f"directory keys are {KEY_BYTES} bytes")
-        homes_a = _homes(joined, mask)
-        if (self._insert is not None and len(keys) >= COMPILED_MIN_KEYS and rows.keys().isdisjoint(keys)
-                and len(rows) + len(keys) < self.capacity - 1 and NO_SLOT not in slots and len(set(keys)) == len(keys)):
-            # A batch of new keys, each once (a put's: the common batch), probed and written
-            # compiled, as the loop below would: 62-90 us a batch of 64 there, 38-44 here.
-            at = np.empty(len(keys), dtype=np.int64)
-            with buf[ENTRY_OFF:ENTRY_OFF + self.capacity * ENTRY_BYTES] as entries:
-                self._insert(entries, joined, homes_a, np.array(slots, dtype=np.int64), tier_index, at)
-            for key, slot, i in zip(keys, slots, at.tolist()):
-                new = [NO_SLOT, NO_SLOT, 0, NO_SLOT, i]
-                new[col] = slot
-                rows[key] = new
-            return
-        homes = homes_a.tolist()
-        with buf[ENTRY_OFF:ENTRY_OFF + self.capacity * ENTRY_BYTES].cast("I") as used:  # entry i's at i * _WORDS
-            for key, slot, i in zip(keys, slots, homes):
+        homes = _homes(joined, mask)
+        with buf[ENTRY_OFF:ENTRY_OFF + self.capacity * ENTRY_BYTES] as entries, entries.cast("I") as used:
+            if (self._insert is not None and len(keys) >= COMPILED_MIN_KEYS and rows.keys().isdisjoint(keys)
+                    and len(rows) + len(keys) < self.capacity - 1 and NO_SLOT not in slots
+                    and len(set(keys)) == len(keys)):
+                # A batch of new keys, each once (a put's: the common batch), probed and written
+                # compiled, as the loop below would: 62-90 us a batch of 64 there, 38-44 here.
+                at = np.empty(len(keys), dtype=np.int64)
+                self._insert(entries, joined, homes, np.array(slots, dtype=np.int64), tier_index, at)
+                for key, slot, i in zip(keys, slots, at.tolist()):
+                    new = [NO_SLOT, NO_SLOT, 0, NO_SLOT, i]
+                    new[col] = slot
+                    rows[key] = new
+                return
+            for key, slot, i in zip(keys, slots, homes.tolist()):  # `used`: entry i's word at i * _WORDS
                 row = rows.get(key)
                 if row is None:
                     if slot == NO_SLOT:

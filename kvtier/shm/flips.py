@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.keys import KEY_BYTES
 from kvtier.shm.onepass import compiled, key_tags
 from kvtier.shm.slots import HEADER_DTYPE, SLOT_MAGIC, Flags
 
@@ -61,7 +62,7 @@ def check_ready(headers: npt.NDArray[Any], slots: npt.NDArray[np.int64], gens: n
     key (`keys`: joined), `block_bytes` long, and a tag binding the key to the checksum, as every
     reader demands). Each check reads the copy, which is what `flip_valid` writes back. Compiled
     (a few microseconds a put of 64 blocks, against about 28 in numpy), else numpy."""
-    n = len(keys) // 32
+    n = len(keys) // KEY_BYTES
     snaps = np.empty(n, dtype=HEADER_DTYPE)
     if (check := compiled("check_ready")) is not None:
         ok: list[bool] = check(headers, slots, gens, keys, block_bytes, SLOT_MAGIC, Flags.READY, snaps)

@@ -68,8 +68,8 @@ def key_tags(keys: bytes, csums: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint6
     if len(keys) % 32 or len(sums) != n:
         raise ValueError(f"key_tags: {len(keys)} bytes of keys, {len(sums)} checksums")
     tags = np.empty(n, dtype=np.uint64)
-    if (compiled := getattr(_copy_hash, "key_tags", None)) is not None:  # (a build from before it: Python)
-        compiled(keys, sums, tags)
+    if (tags_of := compiled("key_tags")) is not None:  # (a build from before it: Python)
+        tags_of(keys, sums, tags)
         return tags
     for j, c in enumerate(sums.tolist()):
         tags[j] = key_tag(keys[32 * j:32 * j + 32], c)

@@ -160,9 +160,8 @@ class GrantBook:
         and what a failure met."""
         segment = batch.segment
         table = rt.cpu.table
-        # Slots and gens no header holds (negative, or past 63 bits) read as outside and odd.
-        slots = np.fromiter((b.slot if 0 <= b.slot < table.n else -1 for b in blocks), dtype=np.int64,
-                            count=len(blocks))
+        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))  # out of range: a miss
+        # A gen no write leaves (negative, or past 63 bits) reads as odd: not written whole.
         gens = np.fromiter((b.gen if 0 <= b.gen < 1 << 63 else 1 for b in blocks), dtype=np.uint64,
                            count=len(blocks))
         headers = table.headers(0, table.n)
