@@ -127,10 +127,11 @@ class ClientReads:
         return await self._start_copy(fn, items, nbytes, threads)
 
     def _start_copy(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], nbytes: int,
-                    threads: int | None = None) -> Coroutine[Any, Any, list[R]]:
+                    threads: int | None = None, inline: bool = False) -> Coroutine[Any, Any, list[R]]:
         """`_copy`, started now (an inline copy is done when this returns): the caller may work
-        meanwhile, and must then await what this returns, which waits for every share."""
-        if nbytes < self.off_loop_bytes or not items:
+        meanwhile, and must then await what this returns, which waits for every share. `inline`:
+        on the loop whatever its size (the caller bounds it)."""
+        if inline or nbytes < self.off_loop_bytes or not items:
             return _ready(fn(items))
         if self._copier is None:
             self._copier = CopyThreads(self._copy_threads)

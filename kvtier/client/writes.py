@@ -61,7 +61,7 @@ class ClientWrites:
         def pool(self, name: str) -> ClientPool: ...
         def lookup(self, pool: str, keys: Sequence[bytes]) -> Lookup: ...
         def _start_copy(self, fn: Callable[[Sequence[Any]], list[Any]], items: Sequence[Any], nbytes: int,
-                        threads: int | None = None) -> Coroutine[Any, Any, list[Any]]: ...
+                        threads: int | None = None, inline: bool = False) -> Coroutine[Any, Any, list[Any]]: ...
 
     async def put(self, pool: str, keys: Sequence[bytes], kv: torch.Tensor, *, parent: bytes | None = None,
                   token_ids: Sequence[int] | None = None, wait_s: float = 0.0, tenant: str = "") -> PutResult:
@@ -165,8 +165,8 @@ class ClientWrites:
             threads = share_threads(self._copy_threads, len(staged), nbytes)
             inline = threads == 1 and p.block_bytes < SHARED_MIN_BLOCK and nbytes <= inline_bytes
             with p.in_use():  # blocks under 256 KiB in one thread (offload.share_threads: two gained nothing)
-                if inline:
-                    staged = write(list(enumerate(staged)))
+                if inline:  # (through _start_copy all the same: one place where a put's fill starts)
+                    staged = await self._start_copy(write, list(enumerate(staged)), nbytes, threads, inline=True)
                     fields = self._publisher.prepare(event(staged))
                 else:
                     # Encoded while the copy threads fill the slots, off the put's serial path: what
