@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import structlog
 import torch
 
-from kvtier.client import DropReason, SyncClient
+from kvtier.client import DropReason, ManifestEntry, SyncClient
 from kvtier.errors import CallTimeout, KvtierError, RedisUnavailable
 from kvtier.integrations.counters import Counters
 from kvtier.integrations.link import LINK_COUNTERS, EngineLink
@@ -66,6 +67,31 @@ def test_start_waits_for_the_first_try_so_the_first_call_finds_a_healthy_daemon(
     try:
         assert time.monotonic() - t0 < 30 and link.client() is None
         assert link.counters.snapshot()["connect_failures"] >= 1
+    finally:
+        link.close()
+
+
+def test_a_first_connection_slower_than_the_wait_is_said_and_made_later(daemon_factory, redis_server):
+    """A first connection that takes longer than `start(wait_s)`: here its manifest entry is
+    written to a Redis that does not answer (SIGSTOP). start returns at its bound with no client
+    and says so (the engine's first requests then recompute); the connection is made later."""
+    d = daemon_factory()
+    link = link_for(d.runtime_dir, call_timeout_s=30.0)
+    link.register(ManifestEntry(namespace="0123456789abcdef0123456789abcdef", engine="test-engine",
+                                engine_version="1.0", model="m", weights={}, page={"page_bytes": BLOCK_BYTES}))
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            t0 = time.monotonic()
+            link.start(wait_s=0.3)
+            waited = time.monotonic() - t0
+        assert link.client() is None and waited < 10
+        slow = [x for x in logs if x["event"] == "kvtier.connect_slow"]
+        assert len(slow) == 1 and slow[0]["log_level"] == "warning" and slow[0]["waited_s"] == 0.3
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    try:
+        wait_until(link.client, timeout=30, message="the link connects once Redis answers")
     finally:
         link.close()
 

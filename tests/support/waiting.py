@@ -10,16 +10,19 @@ from typing import Any
 
 
 def wait_until(
-    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01, message: str = ""
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01,
+    message: str | Callable[[], str] = "",
 ) -> Any:
-    """Poll `predicate` until it returns something truthy (returned), or fail at the deadline."""
+    """Poll `predicate` until it returns something truthy (returned), or fail at the deadline.
+    `message` may be a callable, called at the deadline to say what was found then."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
         if result:
             return result
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {message or predicate!r}")
+            said = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout} s waiting for: {said or predicate!r}")
         time.sleep(interval)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -62,6 +63,15 @@ def _tail(n: int = 40) -> list[int]:
 # Q*: unrelated prompts of the same shape.
 PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(),
            "Q1": _tail(360), "Q2": _tail(360)}
+
+
+def connector_counts(log: str, half: str = "scheduler") -> dict[str, int]:
+    """A connector half's last count line in an engine's log (each half logs one at shutdown);
+    {} when the half logged none."""
+    lines = [x for x in log.splitlines() if f"kvtier: {half} " in x and "=" in x]
+    if not lines:
+        return {}
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1].split(f"kvtier: {half} ", 1)[1])}
 
 
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:

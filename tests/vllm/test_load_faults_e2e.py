@@ -5,7 +5,6 @@ load waits that long before it reads); outputs must equal the no-connector engin
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
@@ -13,14 +12,9 @@ import pytest
 from kvtier.integrations.vllm.connector_worker import LOAD_STALL_ENV
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import POOL, PROMPTS, connector_config
+from tests.vllm.conftest import POOL, PROMPTS, connector_config, connector_counts
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def worker_counts(log: str) -> dict[str, int]:
-    line = [x for x in log.splitlines() if "kvtier: worker " in x and "=" in x][-1]
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.split("kvtier: worker ", 1)[1])}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
 def test_a_load_that_misses_its_deadline_is_recomputed_and_counted(record, baseline):
     assert record["deadline_p1"]["tokens"] == baseline["P1"]
     assert "(its deadline passed)" in record["deadline_log"]
-    w = worker_counts(record["deadline_log"])
+    w = connector_counts(record["deadline_log"], "worker")
     assert w["load_deadline_missed"] == 1 and w["load_failed_blocks"] == 11 and "loaded_blocks" not in w
 
 

@@ -17,13 +17,12 @@ the outputs part. So outputs are judged by their chosen-token logprobs (`agree`)
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, SEPARATE_PROCESSES, connector_config
+from tests.vllm.conftest import BS, POOL, SEPARATE_PROCESSES, connector_config, connector_counts
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -56,12 +55,6 @@ def agree(a: dict, b: dict) -> bool:
         if x != y:
             return True
     return len(a["tokens"]) == len(b["tokens"])
-
-
-def counts(log: str, half: str = "scheduler") -> dict[str, int]:
-    """A connector half's last count line (each logs one at shutdown)."""
-    line = [x for x in log.splitlines() if f"kvtier: {half} " in x and "=" in x][-1]
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.split(f"kvtier: {half} ", 1)[1])}
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +100,13 @@ def test_a_second_turn_loads_the_first_turns_decode_blocks_on_another_node(recor
     # final step. Turn two (309 tokens) may load 9 blocks: all of them, from Redis on node B.
     assert record["b_t2"]["cached"] == 9 * BS
     assert record["b_t2"]["tokens"] == record["base_t2"]["tokens"]
-    assert counts(record["b_log"], "worker")["load_remote_blocks"] == 9
+    assert connector_counts(record["b_log"], "worker")["load_remote_blocks"] == 9
 
 
 def test_a_request_that_asks_for_a_pin_has_its_blocks_pinned_once_it_finishes(record):
     pins = record["a_pins"]
     assert pins["tenants"] == {"agent-7": 3} and pins["retained"] == 3 and pins["refused_budget"] == 0
-    assert counts(record["a_log"])["pinned_blocks"] == 3
+    assert connector_counts(record["a_log"])["pinned_blocks"] == 3
 
 
 def test_twelve_loads_beside_four_decoders_all_load_and_agree_with_no_connector(record):
@@ -122,8 +115,8 @@ def test_twelve_loads_beside_four_decoders_all_load_and_agree_with_no_connector(
     assert [r["cached"] for r in burst[12:]] == [0] * 4
     assert all(agree(x, y) for x, y in zip(burst, base))
     assert sum(x["tokens"] == y["tokens"] for x, y in zip(burst, base)) >= 12
-    assert counts(record["a_log"])["hit_blocks"] == 12 * 10
-    w = counts(record["a_log"], "worker")
+    assert connector_counts(record["a_log"])["hit_blocks"] == 12 * 10
+    w = connector_counts(record["a_log"], "worker")
     assert w["loaded_blocks"] == w["load_local_blocks"] == 12 * 10 and "load_failed_blocks" not in w
 
 
@@ -131,6 +124,6 @@ def test_preemption_under_the_connector_agrees_with_no_connector(record):
     ours, base = record["a_preempt"], record["base_preempt"]
     assert all(agree(x, y) for x, y in zip(ours, base))
     assert sum(x["tokens"] == y["tokens"] for x, y in zip(ours, base)) >= len(base) // 2
-    c = counts(record["a_small_log"])
+    c = connector_counts(record["a_small_log"])
     assert c["resumed_requests"] >= 1  # the cache was too small: vLLM preempted and resumed
     assert c["hit_blocks"] >= 12 * 3  # and the prefixes came from kvtier
