@@ -33,7 +33,7 @@ def _pct(values: list[float], q: float) -> float:
 def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | None, out: dict,
                 dtype: str = "bfloat16") -> None:
     from kvtier.tools.bench_ttft import BENCH_MODEL, BENCH_POOL, LMCacheServer
-    from kvtier.tools.vllm_engine import TINY_POOL, StreamEngineProcess, connector_config, make_model
+    from kvtier.tools.vllm_engine import TINY_POOL, StreamEngineProcess, connector_config, make_model, worker_loads
 
     prefix_len, burst_n, decoders_n, dec_tokens = (256, 4, 2, 48) if quick else (2048, 12, 4, 192)
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
@@ -116,7 +116,10 @@ def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | N
                                   "ttft_p99_ms": _pct(v["ttft"], 0.99) * 1000,
                                   "itl_p50_ms": _pct(v["itl"], 0.5) * 1000, "itl_p99_ms": _pct(v["itl"], 0.99) * 1000,
                                   "itl_samples": len(v["itl"]), "not_fully_loaded": v["short"], "runs": v["runs"]}
-                              for p, v in res.items()}}
+                              for p, v in res.items()},
+                    # Each kvtier engine's connector worker, as it stopped: blocks loaded, and
+                    # loads that failed and were recomputed (`not_fully_loaded` counts promises).
+                    "worker_loads": {name: worker_loads(workdir / f"{name}.log") for name in ("a", "b")}}
 
 
 def _copied(env: Env) -> int:

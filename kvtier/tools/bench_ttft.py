@@ -80,7 +80,7 @@ class LMCacheServer:
 
 def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, peer_python: str | None,
                out: dict, dtype: str = "bfloat16") -> None:
-    from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model
+    from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model, worker_loads
 
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))
@@ -164,11 +164,15 @@ def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, 
     finally:
         b.close()
         a.close()
+    # What each kvtier engine's connector worker loaded and failed to (then recomputed), logged
+    # as it stopped: `loaded_tokens` is vLLM's `cached`, which counts a promised load either way.
+    loads = {name: worker_loads(workdir / f"{name}.log")
+             for name in ("kvtier-a-save", "kvtier-a-fresh", "kvtier-b-fresh")}
     out["ttft_cells"] = {
         "model": "tiny Llama (2 layers, fp32)" if quick else (
             f"random Llama: 8 layers, hidden 1024, 4 KV heads of 128, {dtype} ({block_bytes // bt >> 10} KiB of KV "
             "per token)"),
-        "samples": samples, "tail_tokens": TAIL,
+        "samples": samples, "tail_tokens": TAIL, "worker_loads": loads,
         "cells": {c: {str(n): {"median_ms": statistics.median(v) * 1000, "worst_ms": max(v) * 1000,
                                "loaded_tokens": loaded[c][n]}
                       for n, v in per.items() if v} for c, per in res.items() if any(per.values())}}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.daemon_process import DaemonProcess
 from kvtier.tools.engine_zygote import engine_zygote
-from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
+from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_count_lines, make_model
 from kvtier.tools.vllm_engine import connector_config as engine_connector_config
 from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
@@ -66,12 +65,9 @@ PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(
 
 
 def connector_counts(log: str, half: str = "scheduler") -> dict[str, int]:
-    """A connector half's last count line in an engine's log (each half logs one at shutdown);
-    {} when the half logged none."""
-    lines = [x for x in log.splitlines() if f"kvtier: {half} " in x and "=" in x]
-    if not lines:
-        return {}
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1].split(f"kvtier: {half} ", 1)[1])}
+    """A connector half's last count line; {} when it logged none."""
+    lines = connector_count_lines(log, half)  # (kvtier/tools/vllm_engine.py)
+    return lines[-1] if lines else {}
 
 
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:

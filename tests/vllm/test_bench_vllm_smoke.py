@@ -30,9 +30,15 @@ def test_bench_vllm_quick_checks_every_path(tmp_path):
     loaded = {c: cells[c]["256"]["loaded_tokens"] for c in cells}
     assert loaded == {"cold": [0, 0], "floor": [256, 256], "kvtier_local": [256, 256], "kvtier_next": [256, 256],
                       "kvtier_redis": [256, 256], "kvtier_miss": [0, 0]}
+    # vLLM's `cached` counts what the connector promised: each engine's worker loaded it all (two
+    # 8-block prefixes each: the next request's own saves, the node's, Redis's) and none failed.
+    assert res["ttft_cells"]["worker_loads"] == {name: {"loaded_blocks": 16, "load_failed_blocks": 0}
+                                                 for name in ("kvtier-a-save", "kvtier-a-fresh", "kvtier-b-fresh")}
     assert "| TTFT kvtier_redis, 256-token prefix" in run.stdout
     # The burst beside decoders: every placement ran, every prefix loaded whole, the decoders'
     # gaps while the burst was served were seen.
     burst = res["burst"]["cells"]
     assert set(burst) == {"floor", "kvtier_local", "kvtier_half_redis"}
     assert all(c["runs"] == 1 and c["not_fully_loaded"] == 0 and c["itl_samples"] > 0 for c in burst.values())
+    # Node A's engine loaded its burst's four 8-block prefixes, node B's its half-Redis burst's.
+    assert res["burst"]["worker_loads"] == {name: {"loaded_blocks": 32, "load_failed_blocks": 0} for name in "ab"}

@@ -2,7 +2,9 @@
 
 Every output is compared with a run of the same prompt on an engine without the connector:
 greedy decoding on the same weights must give the same tokens whether the prefix's KV was
-computed or loaded. `cached` is vLLM's own count of prompt tokens it did not compute.
+computed or loaded. `cached` is vLLM's own count of prompt tokens it did not compute, which
+counts what the connector promised even when the load then fails and vLLM recomputes: the
+connector worker's own counts (logged as it shuts down) say what was loaded, and from where.
 
 The keys hold the weights' identity, not the served name (issue 27): the first engine serves the
 tiny model as "m"; the second engine on the node serves a copy of the same weights from another
@@ -20,7 +22,7 @@ import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess, make_model
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, SEPARATE_PROCESSES, connector_config
+from tests.vllm.conftest import BS, POOL, PROMPTS, SEPARATE_PROCESSES, connector_config, connector_counts
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the module's fixtures start five engines
 
@@ -57,14 +59,15 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
         rec["a1_q1"] = e.generate(Q1)
         rec["a1_r_next"] = e.generate(R)
         rec["a1_r_computed"] = e.generate(R, cache_salt="tenant-c")  # what R is without kvtier's blocks
-        rec["a1_log"] = e.log_text()
+    # Read once the engine has stopped: the connector's halves log their counts as they shut down.
+    rec["a1_log"] = (logs / "a1.log").read_text(errors="replace")
     # Node A, a second engine process: the shared prefix comes from the node's shared memory,
     # though this engine loads the weights from another directory, serves them under another
     # name, and drafts tokens by n-gram speculation.
     with EngineProcess(copy, logs / "a2.log", connector_config(POOL, a.runtime_dir), served_model_name="m-copy",
                        speculative_config=NGRAM, env=SEPARATE_PROCESSES) as e:
         rec["a2_p2"] = e.generate(P2)
-        rec["a2_log"] = e.log_text()
+    rec["a2_log"] = (logs / "a2.log").read_text(errors="replace")
     # Hits reach the daemon as access reports on the bus, which may land after the engine has gone.
     rec["a_stats"] = wait_until(lambda: (st := a.pool_stats(POOL)).get("hits", 0) >= 11 + 10 and st, timeout=30,
                                 message="node A's hits from both engines counted")
@@ -84,7 +87,7 @@ def scenario(tiny_model, tmp_path_factory, nodes) -> dict:
     with EngineProcess(tiny_model, logs / "b.log", connector_config(POOL, b.runtime_dir),
                        env=SEPARATE_PROCESSES) as e:
         rec["b_p3"] = e.generate(P3)
-        rec["b_log"] = e.log_text()
+    rec["b_log"] = (logs / "b.log").read_text(errors="replace")
     rec["b_before"] = b_before
     rec["b_stats"] = wait_until(lambda: (st := b.pool_stats(POOL))["remote_reads"] >= 10 and st, timeout=30,
                                 message="node B's daemon heard of the blocks read through from Redis")
@@ -110,6 +113,9 @@ def test_exact_prompt_is_reused_within_one_engine(scenario, baseline):
     # 359 tokens may come from cache (vLLM computes the last one): 11 whole blocks = 352.
     assert scenario["a1_repeat"]["cached"] == 11 * BS
     assert scenario["a1_repeat"]["tokens"] == baseline["P1"]
+    # What this engine loaded in all: the repeat's 11 blocks and R's 10 (below), none recomputed.
+    w = connector_counts(scenario["a1_log"], "worker")
+    assert w.get("loaded_blocks") == w.get("load_local_blocks") == 11 + 10 and "load_failed_blocks" not in w, w
 
 
 def test_the_next_request_finds_what_the_engine_just_saved(scenario):
@@ -131,6 +137,8 @@ def test_a_different_cache_salt_hits_nothing(scenario, baseline):
 def test_prefix_is_reused_by_another_engine_process_on_the_node(scenario, baseline):
     assert scenario["a2_p2"]["cached"] == 10 * BS
     assert scenario["a2_p2"]["tokens"] == baseline["P2"]
+    w = connector_counts(scenario["a2_log"], "worker")
+    assert w.get("loaded_blocks") == w.get("load_local_blocks") == 10 and "load_failed_blocks" not in w, w
     assert scenario["a_stats"]["hits"] >= 11 + 10  # the repeat's blocks and the prefix, read from shm
 
 
@@ -143,6 +151,8 @@ def test_node_b_loads_the_prefix_from_redis_instead_of_computing_it(scenario, ba
     assert after["remote_reads"] - before.get("remote_reads", 0) >= 10
     assert after["hits"] - before.get("hits", 0) >= 10
     assert "planned blocks" not in scenario["b_log"]  # no load fell short
+    w = connector_counts(scenario["b_log"], "worker")
+    assert w.get("loaded_blocks") == w.get("load_remote_blocks") == 10 and "load_failed_blocks" not in w, w
 
 
 def identity(log: str) -> str:

@@ -10,7 +10,7 @@ from kvtier.shm.segment import ShmSegment
 from kvtier.shm.slots import Kind, SlotTable
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config, pool_toml
+from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config, connector_counts, pool_toml
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,6 +44,7 @@ def faults(tiny_model, tmp_path_factory, node_factory, module_redis) -> dict:
         # Redis down: the shared-memory tiers still serve what the node holds.
         module_redis.stop()
         rec["redis_down_repeat"] = e.generate(P1)
+        rec["redis_down_log"] = e.log_text()  # a load that fell short has said so by now
         rec["redis_down_new"] = e.generate(Q1)
         module_redis.start()
         # Every stored byte corrupted under the daemon's feet: verification turns each into a miss.
@@ -58,6 +59,7 @@ def faults(tiny_model, tmp_path_factory, node_factory, module_redis) -> dict:
         rec["killed_q2"] = e.generate(Q2)
         rec["alive"] = e.proc.poll() is None
         rec["log"] = e.log_text()
+    rec["worker"] = connector_counts((logs / "f.log").read_text(errors="replace"), "worker")  # logged at its stop
     # An engine started while no daemon runs at its runtime directory.
     with EngineProcess(tiny_model, logs / "nodaemon.log",
                        connector_config(POOL, tmp_path_factory.mktemp("no-daemon-here"))) as e:
@@ -76,6 +78,10 @@ def test_redis_down_local_hits_still_work(faults, baseline):
     assert faults["first"]["tokens"] == baseline["P1"]
     assert faults["redis_down_repeat"]["cached"] == 11 * BS
     assert faults["redis_down_repeat"]["tokens"] == baseline["P1"]
+    # ... and were loaded, not recomputed: vLLM's `cached` counts what was promised. (The
+    # engine's later loads fail on purpose: its total counts the repeat's 11 and no more.)
+    assert "planned blocks" not in faults["redis_down_log"]
+    assert faults["worker"].get("load_local_blocks") == faults["worker"].get("loaded_blocks") == 11
     assert faults["redis_down_new"]["tokens"] == baseline["Q1"]
 
 

@@ -32,7 +32,7 @@ from kvtier.tools.vllm_engine import (
     make_model,
 )
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, PROMPTS, connector_config, pool_toml
+from tests.vllm.conftest import BS, PROMPTS, connector_config, connector_counts, pool_toml
 
 POOL_HYBRID = "tiny-hybrid"  # one layer per KV-cache group: a block is one group's page
 POOL_EAGLE = "tiny-eagle"  # the target's 2 layers and the EAGLE drafter's 1, in one KV-cache group
@@ -53,6 +53,16 @@ def resident(node, pool: str, n: int) -> bool:
 def namespaces(log: str) -> set[str]:
     """The namespaces the connector's halves logged: one, or every lookup would miss."""
     return set(re.findall(r"kvtier: (?:scheduler|worker) keys in namespace (\w+)", log))
+
+
+def loaded(log: str, where: str) -> int | None:
+    """The blocks the engine's connector worker loaded in all, all of them from `where` ("local":
+    this node's shared memory, or "remote": Redis) and none recomputed; None otherwise. vLLM's
+    `cached` counts what the connector promised, even when a load fails and vLLM recomputes. A
+    hybrid's block counts once for each group's part."""
+    w = connector_counts(log, "worker")
+    n = w.get("loaded_blocks")
+    return n if n == w.get(f"load_{where}_blocks") and "load_failed_blocks" not in w else None
 
 
 def stored_in_redis(node, pool: str, n: int) -> bool:
@@ -94,7 +104,8 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         wait_until(lambda: stored_in_redis(a, POOL_HYBRID, 3 * 2 * 11), timeout=30,
                    message="both groups' parts of the hybrid's 3 x 11 blocks in Redis")
         rec["hybrid_repeat"] = e.generate(P1)
-        rec["hybrid_log"] = e.log_text()
+    # Each log is read once its engine has stopped: the connector's halves log their counts then.
+    rec["hybrid_log"] = (logs / "hybrid-a.log").read_text(errors="replace")
     r = redis.Redis.from_url(module_redis.url)
     ns = hybrid_namespace(r)
     with SyncClient(a.runtime_dir) as client:
@@ -110,7 +121,7 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
                        prefix_caching=False) as e:
         for name, prompt in (("p1", P1), ("q1", Q1), ("q2", Q2)):
             rec[f"hybrid_b_{name}"] = e.generate(prompt)
-        rec["hybrid_b_log"] = e.log_text()
+    rec["hybrid_b_log"] = (logs / "hybrid-b.log").read_text(errors="replace")
     # Hits reach the daemon as access reports on the bus, which may land after the engine has gone.
     rec["b_before"] = b_before
     rec["b_after"] = wait_until(lambda: (st := b.pool_stats(POOL_HYBRID)).get("hits", 0) - b_before.get("hits", 0)
@@ -122,7 +133,7 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         rec["eagle_first"] = e.generate(P1)
         wait_until(lambda: resident(b, POOL_EAGLE, 11), timeout=30, message="the EAGLE engine's 11 blocks stored")
         rec["eagle_repeat"] = e.generate(P1)
-        rec["eagle_log"] = e.log_text()
+    rec["eagle_log"] = (logs / "eagle.log").read_text(errors="replace")
     rec["eagle_stats"] = wait_until(lambda: (st := b.pool_stats(POOL_EAGLE)).get("hits", 0) >= 11 and st,
                                     timeout=30, message="the EAGLE engine's 11 hits counted")
     rec["eagle_manifest"] = [ManifestEntry.from_json(v) for v in r.hgetall(manifest_key(POOL_EAGLE)).values()]
@@ -135,7 +146,7 @@ def record(tmp_path_factory, node_factory, module_redis, tiny_model) -> dict:
         rec["mla_first"] = e.generate(P1)
         wait_until(lambda: resident(mla_node, POOL_MLA, 22), timeout=30, message="the MLA model's 22 blocks stored")
         rec["mla_repeat"] = e.generate(P1)
-        rec["mla_log"] = e.log_text()
+    rec["mla_log"] = (logs / "mla.log").read_text(errors="replace")
     rec["mla_stats"] = wait_until(lambda: (st := mla_node.pool_stats(POOL_MLA)).get("hits", 0) >= 22 and st,
                                   timeout=30, message="the MLA model's 22 hits counted")
     return rec
@@ -149,6 +160,7 @@ def test_a_hybrid_runs_with_vllms_hybrid_manager_on_and_reuses_its_prefix_on_the
     assert record["hybrid_p1"]["cached"] == 0
     assert record["hybrid_repeat"]["cached"] == 11 * BS
     assert record["hybrid_repeat"]["tokens"] == record["hybrid_p1"]["tokens"]
+    assert loaded(record["hybrid_log"], "local") == 11 + 2  # the full group's 11 parts, the window's 2
 
 
 def test_a_hybrid_model_loads_its_prefix_on_another_node_through_redis(record):
@@ -156,6 +168,7 @@ def test_a_hybrid_model_loads_its_prefix_on_another_node_through_redis(record):
     assert record["hybrid_b_p1"]["tokens"] == record["hybrid_p1"]["tokens"]
     # Both groups' parts were read (a sliding group only its window: 2 of 11 blocks).
     assert record["b_after"]["hits"] - record["b_before"].get("hits", 0) >= 11 + 2
+    assert loaded(record["hybrid_b_log"], "remote") == (11 + 2) + (10 + 2)  # P1's, then Q2's (below)
 
 
 def test_a_prefix_counts_only_where_every_groups_part_is_stored(record):
@@ -181,6 +194,7 @@ def test_eagle_speculation_reloads_the_prefix_with_the_output_of_no_speculation(
     assert record["eagle_repeat"]["cached"] == 11 * BS
     assert record["eagle_first"]["tokens"] == record["eagle_repeat"]["tokens"] == baseline["P1"]
     assert record["eagle_stats"]["hits"] >= 11
+    assert loaded(record["eagle_log"], "local") == 11
     [entry] = record["eagle_manifest"]
     assert entry.weights["draft"]["weights"].startswith("content:")
 
@@ -195,3 +209,4 @@ def test_an_mla_model_saves_and_loads_its_latent_pages(record):
     assert record["mla_repeat"]["cached"] == 22 * MLA_BS
     assert record["mla_repeat"]["tokens"] == record["mla_first"]["tokens"]
     assert record["mla_stats"]["hits"] >= 22
+    assert loaded(record["mla_log"], "local") == 22

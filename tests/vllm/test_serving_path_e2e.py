@@ -100,7 +100,8 @@ def test_a_second_turn_loads_the_first_turns_decode_blocks_on_another_node(recor
     # final step. Turn two (309 tokens) may load 9 blocks: all of them, from Redis on node B.
     assert record["b_t2"]["cached"] == 9 * BS
     assert record["b_t2"]["tokens"] == record["base_t2"]["tokens"]
-    assert connector_counts(record["b_log"], "worker")["load_remote_blocks"] == 9
+    w = connector_counts(record["b_log"], "worker")
+    assert w["loaded_blocks"] == w["load_remote_blocks"] == 9 and "load_failed_blocks" not in w, w
 
 
 def test_a_request_that_asks_for_a_pin_has_its_blocks_pinned_once_it_finishes(record):
@@ -126,4 +127,5 @@ def test_preemption_under_the_connector_agrees_with_no_connector(record):
     assert sum(x["tokens"] == y["tokens"] for x, y in zip(ours, base)) >= len(base) // 2
     c = connector_counts(record["a_small_log"])
     assert c["resumed_requests"] >= 1  # the cache was too small: vLLM preempted and resumed
-    assert c["hit_blocks"] >= 12 * 3  # and the prefixes came from kvtier
+    assert c["hit_blocks"] >= 12 * 3  # kvtier promised the prefixes,
+    assert connector_counts(record["a_small_log"], "worker")["loaded_blocks"] >= 12 * 3  # and loaded them

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess
+from kvtier.tools.vllm_engine import EngineProcess, connector_count_lines
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, PROMPTS, connector_config, pool_toml
 
@@ -32,7 +32,7 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
         wait_until(lambda: node.pool_stats(POOL_TP2).get("puts", 0) >= 22, timeout=30,
                    message="both ranks' 11 blocks stored")
         rec["repeat"] = e.generate(P1)
-        rec["log"] = e.log_text()
+    rec["log"] = (logs / "tp2.log").read_text(errors="replace")  # with the counts the halves log at their stop
     # Each rank reports its reads to the daemon on its own, and the daemon writes its stats on an
     # interval: read once, a run saw one rank's 11 hits. Both ranks' within a deadline.
     rec["stats"] = wait_until(lambda: (st := node.pool_stats(POOL_TP2)).get("hits", 0) >= 22 and st, timeout=30,
@@ -45,4 +45,7 @@ def test_two_ranks_save_and_load_their_own_heads(record):
     assert record["repeat"]["cached"] == 11 * BS
     assert record["repeat"]["tokens"] == record["first"]["tokens"]
     assert record["stats"]["hits"] >= 22  # each rank read its own 11 blocks
+    ranks = connector_count_lines(record["log"], "worker")
+    assert len(ranks) == 2 and all(w.get("loaded_blocks") == w.get("load_local_blocks") == 11
+                                   and "load_failed_blocks" not in w for w in ranks), ranks
     assert "tensor_parallel_size=2" in record["log"]
