@@ -118,7 +118,7 @@ class EngineLink:
             self._connect(first=True)
         self._watcher = threading.Thread(target=self._watch, name=f"{self._component}-link", daemon=True)
         self._watcher.start()
-        if wait_s > 0 and not self._tried.wait(wait_s):
+        if wait_s > 0 and not self._tried.wait(wait_s) and self._client is None:
             # Said, because the engine's first requests then recompute what the node may hold.
             self.log.warning(f"{self._component}.connect_slow", waited_s=wait_s,
                              detail="the first connection is not made yet: calls miss until it is")

@@ -33,7 +33,8 @@ def _pct(values: list[float], q: float) -> float:
 def burst_cells(workdir: Path, *, quick: bool, rounds: int, peer_python: str | None, out: dict,
                 dtype: str = "bfloat16") -> None:
     from kvtier.tools.bench_ttft import BENCH_MODEL, BENCH_POOL, LMCacheServer
-    from kvtier.tools.vllm_engine import TINY_POOL, StreamEngineProcess, connector_config, make_model, worker_loads
+    from kvtier.tools.engine_logs import worker_loads
+    from kvtier.tools.vllm_engine import TINY_POOL, StreamEngineProcess, connector_config, make_model
 
     prefix_len, burst_n, decoders_n, dec_tokens = (256, 4, 2, 48) if quick else (2048, 12, 4, 192)
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}

@@ -80,7 +80,8 @@ class LMCacheServer:
 
 def ttft_cells(workdir: Path, lengths: list[int], samples: int, *, quick: bool, peer_python: str | None,
                out: dict, dtype: str = "bfloat16") -> None:
-    from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model, worker_loads
+    from kvtier.tools.engine_logs import worker_loads
+    from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_config, make_model
 
     layout = {"model": "tiny-llama", **TINY_POOL} if quick else {"model": "bench-llama", **BENCH_POOL, "dtype": dtype}
     model = make_model(workdir / "model", **({} if quick else BENCH_MODEL))

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import subprocess
 import sys
 import threading
@@ -171,22 +170,6 @@ def connector_config(pool: str, runtime_dir: Path, role: str = "kv_both", **extr
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"pool": pool, "runtime_dir": str(runtime_dir), **extra}}
-
-
-def connector_count_lines(log: str, half: str = "worker") -> list[dict[str, int]]:
-    """The counts a KvtierConnector half logs as it shuts down ("worker": one line a rank;
-    "scheduler"), from an engine's log. What vLLM reports as cached is what the connector
-    promised, recomputed or not; the worker's `loaded_blocks` and `load_failed_blocks` say which."""
-    line = re.compile(rf"kvtier: {half} ((?:\w+=\d+ ?)+)$")
-    return [dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1)))
-            for m in map(line.search, log.splitlines()) if m]
-
-
-def worker_loads(log: Path) -> dict[str, int] | None:
-    """What an engine's connector worker loaded in all, and failed to load (then recomputed), from
-    its log once it has stopped; None without such a line."""
-    lines = connector_count_lines(log.read_text(errors="replace")) if log.exists() else []
-    return {k: lines[-1].get(k, 0) for k in ("loaded_blocks", "load_failed_blocks")} if lines else None
 
 
 class EngineProcess:

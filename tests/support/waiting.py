@@ -21,7 +21,10 @@ def wait_until(
         if result:
             return result
         if time.monotonic() >= deadline:
-            said = message() if callable(message) else message
+            try:
+                said = message() if callable(message) else message
+            except Exception as e:  # noqa: BLE001 - the timeout is the failure to report
+                said = f"(its message failed: {type(e).__name__}: {e})"
             raise AssertionError(f"timed out after {timeout} s waiting for: {said or predicate!r}")
         time.sleep(interval)
 

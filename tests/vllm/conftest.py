@@ -23,8 +23,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from kvtier.tools.bench_env import pool_toml as bench_pool_toml
 from kvtier.tools.daemon_process import DaemonProcess
+from kvtier.tools.engine_logs import connector_count_lines
 from kvtier.tools.engine_zygote import engine_zygote
-from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, connector_count_lines, make_model
+from kvtier.tools.vllm_engine import TINY_POOL, EngineProcess, make_model
 from kvtier.tools.vllm_engine import connector_config as engine_connector_config
 from tests.support.daemon_proc import node_daemons
 from tests.support.redis_proc import RedisProcess
@@ -66,7 +67,7 @@ PROMPTS = {"P1": PREFIX + _tail(), "P2": PREFIX + _tail(), "P3": PREFIX + _tail(
 
 def connector_counts(log: str, half: str = "scheduler") -> dict[str, int]:
     """A connector half's last count line; {} when it logged none."""
-    lines = connector_count_lines(log, half)  # (kvtier/tools/vllm_engine.py)
+    lines = connector_count_lines(log, half)
     return lines[-1] if lines else {}
 
 

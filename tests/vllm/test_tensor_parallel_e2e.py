@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tools.vllm_engine import EngineProcess, connector_count_lines
+from kvtier.tools.engine_logs import connector_count_lines
+from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
 from tests.vllm.conftest import BS, PROMPTS, connector_config, pool_toml
 
@@ -27,7 +28,10 @@ def record(tiny_model, tmp_path_factory, node_factory) -> dict:
     rec: dict = {}
     with EngineProcess(tiny_model, logs / "tp2.log", connector_config(POOL_TP2, node.runtime_dir),
                        prefix_caching=False, tensor_parallel_size=2,
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as e:
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                            # vLLM kills a worker 5 s into its stop by default, before a busy
+                            # host's has logged its counts (asserted below)
+                            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "30"}) as e:
         rec["first"] = e.generate(P1)
         wait_until(lambda: node.pool_stats(POOL_TP2).get("puts", 0) >= 22, timeout=30,
                    message="both ranks' 11 blocks stored")

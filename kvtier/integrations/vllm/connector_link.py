@@ -63,6 +63,9 @@ class VllmLog:
         more = f" ({suppressed} more since the last such line)" if suppressed else ""
         if event.endswith(".call_failed"):
             log.warning("kvtier: %s failed (%s); treating as a miss%s", kw.get("op"), kw.get("error"), more)
+        elif event.endswith(".connect_slow"):
+            log.warning("kvtier: no connection to the node daemon after %g s; treating every call as a miss until "
+                        "it is made", kw.get("waited_s"))
         elif event.endswith(".daemon_lost"):
             log.warning("kvtier: the node's kvtier daemon is not running; treating every call as a miss%s", more)
         else:
