@@ -3,6 +3,7 @@ that the benchmarks, the demo and the tests share (start, wait for READY, read i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -142,6 +143,22 @@ class DaemonProcess:
         if self._sock_dir is not None:  # no kvtier-notify-* directory outlives its daemon
             shutil.rmtree(self._sock_dir, ignore_errors=True)
             self._sock_dir = None
+
+    def log_events(self) -> list[dict]:
+        """The daemon's JSON log lines, parsed, oldest first. A line that does not parse is
+        skipped: a reader may catch the last line half-written, and a SIGKILL may tear one."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        events = []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+        return events
 
     def log_tail(self, n: int = 4000) -> str:
         try:

@@ -9,7 +9,6 @@ state, "arena.populated"), never from a timing threshold.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -30,14 +29,7 @@ BIG_POOL = POOL_TOML.format(name="t", gpu=0, cpu=1).replace("cpu_blocks = 1", 'c
 
 
 def events(d) -> list[dict]:
-    out = []
-    for line in d.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return d.log_events()
 
 
 def names(d) -> list[str]:

@@ -20,7 +20,6 @@ reclaimed and acked.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -78,13 +77,11 @@ def _check_arenas(node: str, runtime_dir) -> dict:
 
 
 def _log_count(d, event: str) -> int:
-    return sum(1 for x in d.log_path.read_text().splitlines()
-               if x.startswith("{") and json.loads(x).get("event") == event)
+    return sum(1 for x in d.log_events() if x.get("event") == event)
 
 
 def _last(d, event: str) -> dict:
-    lines = [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
-    return [x for x in lines if x.get("event") == event][-1]
+    return [x for x in d.log_events() if x.get("event") == event][-1]
 
 
 def _added(bus, stream: str) -> int:
@@ -198,8 +195,7 @@ def test_sigkill_at_random_moments_and_named_points(daemon_factory, redis_server
     dead = r.xlen(f"kvtier:{{{d.node}}}:dlq") if r.exists(f"kvtier:{{{d.node}}}:dlq") else 0
     r.close()
     seen = _check_arenas(d.node, d.runtime_dir)
-    discarded = sum(json.loads(x).get("discarded", 0) for x in d.log_path.read_text().splitlines()
-                    if x.startswith("{") and '"arena.reattached"' in x)
+    discarded = sum(x.get("discarded", 0) for x in d.log_events() if x.get("event") == "arena.reattached")
     d.stop()
     leftover = _segments(d.node)
     assert leftover == {f"kvtier.{d.node}.t.cpu"}, f"after a clean stop only the kept arena remains: {leftover}"

@@ -31,7 +31,7 @@ def kvtier(*args: str, env: dict | None = None, timeout: float = 60) -> subproce
 
 
 def log_lines(d) -> list[dict]:
-    return [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
+    return d.log_events()
 
 
 # --- 3: kvtier status -----------------------------------------------------------------------------

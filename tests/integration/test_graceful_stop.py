@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -29,8 +27,7 @@ async def _stored(c: Client, keys) -> bool:
 
 
 def _events(d, event: str) -> list[dict]:
-    lines = [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
-    return [x for x in lines if x.get("event") == event]
+    return [x for x in d.log_events() if x.get("event") == event]
 
 
 async def test_puts_staged_before_a_graceful_stop_are_stored_though_the_client_exits_at_once(daemon_factory):
