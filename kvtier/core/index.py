@@ -86,14 +86,13 @@ class TierIndex:
         return self._entries.get(key)
 
     def absent(self, keys: KeysView[BlockKey]) -> int:
-        """How many of `keys` this index holds no entry for. An intersection of the two views
-        (it walks the smaller in C), not a Python loop: it runs on every put, over every block
-        in flight; nor a difference, which walks the whole index."""
-        return len(keys) - len(keys & self._entries.keys())
+        """How many of `keys` this index holds no entry for: it runs on every put, over every
+        block in flight (`present`, not a difference, which walks the whole index)."""
+        return len(keys) - len(self.present(keys))
 
     def present(self, keys: KeysView[BlockKey]) -> set[BlockKey]:
-        """Which of `keys` this index holds an entry for (in any state): as `absent`, an
-        intersection in C rather than a call a key."""
+        """Which of `keys` this index holds an entry for (in any state): an intersection of the
+        two views, which walks the smaller in C, not a call a key."""
         return keys & self._entries.keys()
 
     @property

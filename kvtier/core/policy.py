@@ -129,7 +129,7 @@ class Placement(Promotion):
         are never in flight and are not recorded as such."""
         self._expire(now)
         fresh: dict[BlockKey, None] = {}  # new to this node, in put order (a chain: head first)
-        placed: dict[BlockKey, Tier] = {}  # the granted ones, in their cpu slots already
+        placed: set[BlockKey] = set()  # the granted ones, in their cpu slots already
         # What the local tiers hold or have on its way in, found by intersecting key views in C:
         # this runs for every block put, where a call a key and tier cost a fifth of admission.
         put = dict.fromkeys(keys).keys()
@@ -138,7 +138,7 @@ class Placement(Promotion):
         for i, key in enumerate(keys):
             if key not in here and key not in placed:
                 if i < granted:
-                    placed[key] = Tier.CPU
+                    placed.add(key)
                 else:
                     fresh[key] = None
         # (Room is only asked for when there is something to place: all granted, there is not.)
@@ -162,7 +162,7 @@ class Placement(Promotion):
         out: list[Tier | None] = []
         for key in keys:  # a chain: each block's parent is the one before it (the first's: `parent`)
             if key in placed:  # (a key is in one of placed and fresh at most)
-                del placed[key]
+                placed.remove(key)
                 tier = cpu
                 if not adopting:
                     incoming[tier].add(key, parent, until)

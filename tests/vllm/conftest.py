@@ -71,6 +71,15 @@ def connector_counts(log: str, half: str = "scheduler") -> dict[str, int]:
     return lines[-1] if lines else {}
 
 
+def loaded(worker: dict[str, int], where: str) -> int | None:
+    """The blocks a connector worker loaded in all (its counts), if all came from `where`
+    ("local": this node's shared memory; "remote": Redis) and none failed; None otherwise. vLLM's
+    `cached` counts what the connector promised, even when a load fails and vLLM recomputes. A
+    hybrid's block counts once for each group's part."""
+    n = worker.get("loaded_blocks")
+    return n if n == worker.get(f"load_{where}_blocks") and "load_failed_blocks" not in worker else None
+
+
 def pool_toml(name: str = POOL, cpu_blocks: int = 256, gpu_blocks: int = 64, **layout) -> str:
     return bench_pool_toml(name, {"model": "tiny-llama", **TINY_POOL, **layout}, "cpu", gpu_blocks, cpu_blocks)
 

@@ -22,7 +22,7 @@ import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess, make_model
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, SEPARATE_PROCESSES, connector_config, connector_counts
+from tests.vllm.conftest import BS, POOL, PROMPTS, SEPARATE_PROCESSES, connector_config, connector_counts, loaded
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # the module's fixtures start five engines
 
@@ -115,7 +115,7 @@ def test_exact_prompt_is_reused_within_one_engine(scenario, baseline):
     assert scenario["a1_repeat"]["tokens"] == baseline["P1"]
     # What this engine loaded in all: the repeat's 11 blocks and R's 10 (below), none recomputed.
     w = connector_counts(scenario["a1_log"], "worker")
-    assert w.get("loaded_blocks") == w.get("load_local_blocks") == 11 + 10 and "load_failed_blocks" not in w, w
+    assert loaded(w, "local") == 11 + 10, w
 
 
 def test_the_next_request_finds_what_the_engine_just_saved(scenario):
@@ -138,7 +138,7 @@ def test_prefix_is_reused_by_another_engine_process_on_the_node(scenario, baseli
     assert scenario["a2_p2"]["cached"] == 10 * BS
     assert scenario["a2_p2"]["tokens"] == baseline["P2"]
     w = connector_counts(scenario["a2_log"], "worker")
-    assert w.get("loaded_blocks") == w.get("load_local_blocks") == 10 and "load_failed_blocks" not in w, w
+    assert loaded(w, "local") == 10, w
     assert scenario["a_stats"]["hits"] >= 11 + 10  # the repeat's blocks and the prefix, read from shm
 
 
@@ -152,7 +152,7 @@ def test_node_b_loads_the_prefix_from_redis_instead_of_computing_it(scenario, ba
     assert after["hits"] - before.get("hits", 0) >= 10
     assert "planned blocks" not in scenario["b_log"]  # no load fell short
     w = connector_counts(scenario["b_log"], "worker")
-    assert w.get("loaded_blocks") == w.get("load_remote_blocks") == 10 and "load_failed_blocks" not in w, w
+    assert loaded(w, "remote") == 10, w
 
 
 def identity(log: str) -> str:

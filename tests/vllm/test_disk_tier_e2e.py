@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.tools.vllm_engine import EngineProcess
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config, connector_counts, pool_toml
+from tests.vllm.conftest import BS, POOL, PROMPTS, connector_config, connector_counts, loaded, pool_toml
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,7 +52,7 @@ def test_a_fresh_engine_loads_a_prefix_the_cpu_tier_shed_to_disk(node_factory, t
     log = (logs / "load.log").read_text(errors="replace")
     w = connector_counts(log, "worker")
     assert out["cached"] == 11 * BS, "the whole prefix promised"
-    assert w.get("loaded_blocks") == w.get("load_local_blocks") == 11 and "load_failed_blocks" not in w, \
+    assert loaded(w, "local") == 11, \
         f"the whole prefix loaded from this node, not recomputed: {w}\n{kvtier_lines(log)}"
     assert out["tokens"] == baseline["P1"]
     # P1's tail was read from the block file (its head from the cpu arena).

@@ -270,6 +270,15 @@ fail_d:
     return NULL;
 }
 
+/* A slot header's tag (kvtier/shm/slots.py key_tag): xxh3-64 of the 32-byte key followed by the
+   checksum as 8 little-endian bytes, on any host. */
+static uint64_t key_tag(const unsigned char *key, uint64_t csum) {
+    unsigned char rec[40];
+    memcpy(rec, key, 32);
+    for (int i = 0; i < 8; i++) rec[32 + i] = (unsigned char)(csum >> (8 * i));
+    return XXH3_64bits(rec, sizeof rec);
+}
+
 PyDoc_STRVAR(key_tags_doc,
 "key_tags(keys, csums, tags) -> None\n\n"
 "For each j, store in tags[j] the xxh3-64 of the 32-byte key keys[32j:32j+32] followed by csums[j]\n"
@@ -302,13 +311,7 @@ static PyObject *key_tags(PyObject *self, PyObject *const *args, Py_ssize_t narg
     const unsigned char *kp = (const unsigned char *)k.buf;
     const uint64_t *cp = (const uint64_t *)c.buf;
     uint64_t *tp = (uint64_t *)t.buf;
-    unsigned char rec[40];
-    for (Py_ssize_t j = 0; j < n; j++) {
-        memcpy(rec, kp + 32 * j, 32);
-        uint64_t v = cp[j];
-        for (int i = 0; i < 8; i++) rec[32 + i] = (unsigned char)(v >> (8 * i));  /* little-endian on any host */
-        tp[j] = XXH3_64bits(rec, sizeof rec);
-    }
+    for (Py_ssize_t j = 0; j < n; j++) tp[j] = key_tag(kp + 32 * j, cp[j]);
     PyBuffer_Release(&t);
     PyBuffer_Release(&c);
     PyBuffer_Release(&k);
@@ -380,7 +383,6 @@ static PyObject *check_ready(PyObject *self, PyObject *const *args, Py_ssize_t n
     const uint64_t *gens = (const uint64_t *)g.buf;
     const unsigned char *keys = (const unsigned char *)k.buf;
     unsigned char *snaps = (unsigned char *)sn.buf;
-    unsigned char rec[40];
     for (Py_ssize_t j = 0; j < n; j++) {
         unsigned char *c = snaps + j * HDR;
         int ok = 0;
@@ -390,11 +392,8 @@ static PyObject *check_ready(PyObject *self, PyObject *const *args, Py_ssize_t n
             memcpy(c, (const unsigned char *)h.buf + slots[j] * HDR, HDR);
             uint64_t gen = le64(c + H_GEN);
             if (le32(c + H_MAGIC) == magic && le32(c + H_FLAGS) == ready && gen == gens[j] && gen % 2 == 0
-                && memcmp(c + H_KEY, keys + 32 * j, 32) == 0 && le64(c + H_LENGTH) == bb) {
-                memcpy(rec, c + H_KEY, 32);
-                memcpy(rec + 32, c + H_CHECKSUM, 8);  /* little-endian as stored: key_tag's layout */
-                ok = XXH3_64bits(rec, sizeof rec) == le64(c + H_TAG);
-            }
+                && memcmp(c + H_KEY, keys + 32 * j, 32) == 0 && le64(c + H_LENGTH) == bb)
+                ok = key_tag(c + H_KEY, le64(c + H_CHECKSUM)) == le64(c + H_TAG);
         } else {
             memset(c, 0, HDR);
         }
